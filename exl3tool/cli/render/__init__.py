@@ -1,0 +1,1 @@
+"""Renderers: library report dataclasses -> Rich output or JSON. No logic beyond presentation."""

@@ -1,0 +1,173 @@
+"""config.json -> ModelConfig: the true dims, the MoE routing and the EXL3 quantization_config.
+
+A config that cannot be read, or that is not EXL3, raises UnreadableInputError; odd values inside a readable
+config become problems (the rest of the checkpoint can still be inspected).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from exl3tool.errors import Problem, ProblemKind, UnreadableInputError
+from exl3tool.format import ModelConfig, ModelDims, QuantConfig, Routing
+
+CONFIG = "config.json"
+QUANT_CONFIG = "quantization_config.json"
+KNOWN_QUANT_KEYS = frozenset({
+    "quant_method", "version", "bits", "head_bits", "calibration", "out_scales", "codebook", "mtp_bits",
+    "vision_bits", "original_quantization_config", "tensor_storage",
+})
+# Keys that change how tiles are laid out: exl3tool knows only the standard layout and refuses any other.
+LAYOUT_KEYS = ("tile_order",)
+GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decoding any linear of the checkpoint
+
+# model_type -> routing method, and whether renormalising the top-k weights is the default
+_SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "mixtral": True, "minimax": True}
+_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "kimi_k2"}
+
+
+def read_json(path: Path, display_name: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UnreadableInputError("missing: an EXL3 checkpoint folder has a config.json", path=display_name) from None
+    except OSError as e:
+        raise UnreadableInputError(f"cannot read: {e.strerror or e}", path=display_name) from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UnreadableInputError(f"malformed JSON: {e}", path=display_name) from None
+    if not isinstance(data, dict):
+        raise UnreadableInputError("malformed: not a JSON object", path=display_name)
+    return data
+
+
+class _Reader:
+    """Typed look-ups into a config dict that turn bad values into problems instead of exceptions."""
+
+    def __init__(self, data: dict, problems: list[Problem], source: str = CONFIG):
+        self.data, self.problems, self.source = data, problems, source
+
+    def _bad(self, key: str, value: object, want: str) -> None:
+        self.problems.append(Problem("config-value", f"{key} = {value!r} is not {want}", self.source))
+
+    def int(self, *keys: str, minimum: int = 1) -> int | None:
+        for key in keys:
+            value = self.data.get(key)
+            if value is None:
+                continue
+            if type(value) is not int or value < minimum:
+                self._bad(key, value, f"an integer >= {minimum}")
+                return None
+            return value
+        return None
+
+    def float(self, key: str) -> float | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if type(value) not in (int, float):
+            self._bad(key, value, "a number")
+            return None
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if type(value) is not bool:
+            self._bad(key, value, "true or false")
+            return default
+        return value
+
+
+def _text_config(data: dict) -> dict:
+    """Multimodal configs keep the language model's dims in `text_config`."""
+    text = data.get("text_config")
+    return text if isinstance(text, dict) and "hidden_size" not in data else data
+
+
+def _dims(r: _Reader) -> ModelDims:
+    hidden = r.int("hidden_size")
+    heads = r.int("num_attention_heads")
+    head_dim = r.int("head_dim")
+    if head_dim is None and hidden and heads and hidden % heads == 0:
+        head_dim = hidden // heads
+    return ModelDims(
+        hidden=hidden,
+        intermediate=r.int("intermediate_size"),
+        moe_intermediate=r.int("moe_intermediate_size"),
+        shared_expert_intermediate=r.int("shared_expert_intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=r.int("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        vocab=r.int("vocab_size"),
+        num_layers=r.int("num_hidden_layers"),
+        extra_layers=r.int("num_nextn_predict_layers", minimum=0) or 0,
+        num_experts=r.int("num_experts", "num_local_experts", "n_routed_experts"),
+        num_shared_experts=r.int("n_shared_experts"),
+    )
+
+
+def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Routing | None:
+    if not num_experts:
+        return None
+    top_k = r.int("num_experts_per_tok", "moe_topk") or 1
+    if model_type in _SOFTMAX_TOPK:
+        normalize = True if model_type == "mixtral" else r.bool("norm_topk_prob", _SOFTMAX_TOPK[model_type])
+        return Routing("softmax_topk", num_experts, top_k, normalize)
+    if model_type in _SIGMOID_NOAUX:
+        return Routing(
+            "sigmoid_noaux_tc", num_experts, top_k, r.bool("norm_topk_prob", True),
+            scale=r.float("routed_scaling_factor") or 1.0, n_group=r.int("n_group") or 1,
+            topk_group=r.int("topk_group") or 1,
+        )
+    return Routing("unknown", num_experts, top_k, r.bool("norm_topk_prob", False))
+
+
+def _quant(qc: dict, problems: list[Problem], source: str) -> QuantConfig:
+    for key in LAYOUT_KEYS:
+        if qc.get(key) is not None:
+            problems.append(Problem(
+                "tile-order", f"quantization_config.{key} = {qc[key]!r}: exl3tool knows only the standard EXL3 "
+                "tile order and refuses to decode another", source, kind=ProblemKind.UNSUPPORTED))
+    reader = _Reader(qc, problems, source)
+    version = qc.get("version")
+    codebook = qc.get("codebook")
+    return QuantConfig(
+        version=str(version) if version is not None else None,
+        bits=reader.float("bits"),
+        head_bits=reader.float("head_bits"),
+        codebook=str(codebook) if codebook is not None else None,
+        extra_keys=tuple(sorted(k for k in qc if k not in KNOWN_QUANT_KEYS and k not in LAYOUT_KEYS)),
+    )
+
+
+def read_config(root: Path) -> tuple[ModelConfig, list[Problem]]:
+    """Parse root/config.json (and check the optional root/quantization_config.json for layout keys)."""
+    data = read_json(root / CONFIG, CONFIG)
+    qc = data.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "exl3":
+        found = f"quant_method is {method!r}" if isinstance(qc, dict) else "there is no quantization_config"
+        raise UnreadableInputError(f"not an EXL3 checkpoint: {found}", path=CONFIG)
+    problems: list[Problem] = []
+    r = _Reader(_text_config(data), problems)
+    architectures = data.get("architectures")
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    model_type = r.data.get("model_type") or data.get("model_type")
+    dims = _dims(r)
+    quant = _quant(qc, problems, CONFIG)
+    side = root / QUANT_CONFIG
+    if side.is_file():
+        try:
+            side_qc = read_json(side, QUANT_CONFIG)
+            _quant(side_qc, problems, QUANT_CONFIG)
+        except UnreadableInputError as e:
+            problems.append(Problem("config-file", e.message, QUANT_CONFIG, kind=ProblemKind.UNREADABLE))
+    config = ModelConfig(
+        architecture=str(architecture) if architecture is not None else None,
+        model_type=str(model_type) if model_type is not None else None,
+        dims=dims,
+        quant=quant,
+        routing=_routing(r, model_type, dims.num_experts),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+    )
+    return config, problems

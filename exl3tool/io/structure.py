@@ -1,0 +1,273 @@
+"""Checked linears + unquantized tensors + config -> CheckpointModel (layers, attention, MLP/MoE blocks, head).
+
+Names follow the HF conventions of the common architectures: `<stack>.layers.N.self_attn.*`, dense
+`mlp.{gate,up,down}_proj`, Qwen3-MoE / DeepSeek / GLM `mlp.experts.E.{gate,up,down}_proj`, Mixtral
+`block_sparse_moe.experts.E.{w1,w3,w2}`, shared experts `mlp.shared_expert(s).*` with an optional
+`mlp.shared_expert_gate.weight`, router `<block>.gate.weight`. True dims come from config.json; a padded size
+that disagrees with them is a problem. Completeness (layers, experts, routers) is checked too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+
+from exl3tool.errors import Problem
+from exl3tool.format import (
+    Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, Routing, TensorInfo,
+    padded,
+)
+from exl3tool.io.config import CONFIG
+
+_LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+_ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention)\.(?P<proj>[^.]+)$")
+_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+_SHARED = re.compile(r"^(?P<block>mlp)\.(?P<shared>shared_experts?)\.(?P<proj>[^.]+)$")
+_DENSE = re.compile(r"^(?P<block>mlp)\.(?P<proj>[^.]+)$")
+ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+HEAD = "lm_head"
+_ATTENTION_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3}
+# Architectures whose q/k/v/o_proj sizes follow heads * head_dim; others (e.g. MLA) are not checked.
+STANDARD_ATTENTION = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gemma",
+    "gemma2", "gemma3_text", "granite", "granitemoe",
+})
+
+Dim = tuple[str, int | None]  # (config key that gives it, value)
+
+
+@dataclass
+class _LayerParts:
+    attention: dict[str, dict[str, LinearInfo]] = field(default_factory=lambda: defaultdict(dict))
+    experts: dict[str, dict[int, dict[str, LinearInfo]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(dict)))
+    shared: dict[str, tuple[str, dict[str, LinearInfo]]] = field(default_factory=dict)
+    dense: dict[str, dict[str, LinearInfo]] = field(default_factory=lambda: defaultdict(dict))
+    other: list[LinearInfo] = field(default_factory=list)
+
+
+class _Builder:
+    def __init__(self, config: ModelConfig, unquantized: list[TensorInfo], complete: bool):
+        self.config = config
+        self.dims = config.dims
+        self.unquantized = {t.name: t for t in unquantized}
+        self.complete = complete  # False when a file could not be read: skip "missing" checks, they would be noise
+        self.problems: list[Problem] = []
+
+    # --- true dims -------------------------------------------------------------------------------------
+
+    def true_dims(self, info: LinearInfo, dims: tuple[Dim, Dim] | None) -> LinearInfo:
+        if dims is None:
+            return info
+        sizes = {}
+        for side, padded_size, (key, value) in (("input", info.in_padded, dims[0]), ("output", info.out_padded, dims[1])):
+            if value is None:
+                continue
+            if padded(value) != padded_size:
+                self.problems.append(Problem(
+                    "config-dims", f"padded {side} size {padded_size} disagrees with config.json: {key} = {value} "
+                    f"pads to {padded(value)}", info.file, info.tensor_name("trellis"), module=info.name))
+            else:
+                sizes[side] = value
+        return replace(
+            info, in_features=sizes.get("input", info.in_padded), out_features=sizes.get("output", info.out_padded),
+            dims_from_config=len(sizes) == 2,
+        )
+
+    def mlp_dims(self, role: str, key: str, intermediate: int | None) -> tuple[Dim, Dim]:
+        hidden, mid = ("hidden_size", self.dims.hidden), (key, intermediate)
+        return (mid, hidden) if role == "down" else (hidden, mid)
+
+    def attention_dims(self, proj: str) -> tuple[Dim, Dim] | None:
+        d = self.dims
+        if self.config.model_type not in STANDARD_ATTENTION or d.head_dim is None:
+            return None
+        hidden = ("hidden_size", d.hidden)
+        q = ("num_attention_heads * head_dim", d.num_heads * d.head_dim if d.num_heads else None)
+        kv = ("num_key_value_heads * head_dim", d.num_kv_heads * d.head_dim if d.num_kv_heads else None)
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}.get(proj)
+
+    def expert_intermediate(self) -> tuple[str, int | None]:
+        if self.dims.moe_intermediate is not None:
+            return "moe_intermediate_size", self.dims.moe_intermediate
+        return "intermediate_size", self.dims.intermediate
+
+    def shared_intermediate(self, kind: str) -> tuple[str, int | None]:
+        d = self.dims
+        if kind == "shared_expert":  # Qwen2-MoE
+            return "shared_expert_intermediate_size", d.shared_expert_intermediate
+        if d.moe_intermediate is not None and d.num_shared_experts is not None:  # DeepSeek / GLM
+            return "moe_intermediate_size * n_shared_experts", d.moe_intermediate * d.num_shared_experts
+        return "shared_expert_intermediate_size", d.shared_expert_intermediate
+
+    # --- blocks ----------------------------------------------------------------------------------------
+
+    def gated(self, name: str, parts: dict[str, LinearInfo], what: str) -> GatedMLP | None:
+        missing = [r for r in ("gate", "up", "down") if r not in parts]
+        if missing:
+            some = next(iter(parts.values()))
+            self.problems.append(Problem(
+                "incomplete-mlp", f"{what} lacks its {', '.join(missing)} projection(s)", some.file,
+                f"{name}.{missing[0]}", module=name))
+            return None
+        return GatedMLP(name, parts["gate"], parts["up"], parts["down"])
+
+    def moe(self, name: str, experts: dict[int, dict[str, LinearInfo]], shared: GatedMLP | None,
+            shared_kind: str | None) -> MoEBlock | None:
+        routing = self.config.routing
+        count = routing.num_experts if routing else max(experts) + 1
+        first = experts[min(experts)]
+        where = next(iter(first.values())).file
+        usable = True
+        for e in range(count):
+            if e not in experts:
+                usable = False
+                if self.complete:
+                    self.problems.append(Problem(
+                        "missing-expert", f"expert {e} of {count} is missing (config: {count} experts)", where,
+                        f"{name}.experts.{e}", module=name))
+        for e in sorted(experts):
+            if e >= count:
+                usable = False
+                self.problems.append(Problem(
+                    "expert-count", f"expert {e} is beyond the {count} experts config.json declares", where,
+                    f"{name}.experts.{e}", module=name))
+        built = {}
+        for e, parts in sorted(experts.items()):
+            mlp = self.gated(f"{name}.experts.{e}", parts, f"expert {e}")
+            if mlp is None:
+                usable = False
+            else:
+                built[e] = mlp
+        if built:
+            ref_e, ref = next(iter(built.items()))
+            for e, mlp in built.items():
+                for lin, ref_lin in zip(mlp.linears, ref.linears):
+                    if (lin.in_padded, lin.out_padded) != (ref_lin.in_padded, ref_lin.out_padded):
+                        usable = False
+                        self.problems.append(Problem(
+                            "expert-shape", f"padded shape {lin.in_padded}x{lin.out_padded} differs from expert "
+                            f"{ref_e}'s {ref_lin.in_padded}x{ref_lin.out_padded}", lin.file, lin.name, module=name))
+        router = self.unquantized.get(f"{name}.gate.weight")
+        if router is None:
+            usable = False
+            if self.complete:
+                self.problems.append(Problem(
+                    "missing-router", "missing: a MoE block needs its fp16 router weight", where,
+                    f"{name}.gate.weight", module=name))
+        elif len(router.shape) != 2 or router.shape != (count, self.dims.hidden or router.shape[-1]):
+            usable = False
+            self.problems.append(Problem(
+                "router-shape", f"router shape {list(router.shape)} is not [{count}, hidden_size]", router.file,
+                router.name, module=name))
+        if not usable:
+            return None
+        if routing is None:
+            routing = Routing("unknown", count, 1, False)
+        gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
+        bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
+        return MoEBlock(name, router, tuple(built[e] for e in range(count)), routing, shared, gate, bias)
+
+    def layer(self, stack: str, index: int, parts: _LayerParts) -> Layer:
+        prefix = f"{stack}.{index}"
+        attention = None
+        other = list(parts.other)
+        for module, projs in parts.attention.items():
+            ordered = sorted(projs.items(), key=lambda kv: (_ATTENTION_ORDER.get(kv[0], 4), kv[0]))
+            fixed = {p: self.true_dims(lin, self.attention_dims(p)) for p, lin in ordered}
+            if attention is None:
+                attention = Attention(f"{prefix}.{module}", fixed)
+            else:
+                other.extend(fixed.values())
+        mlp = None
+        for block, roles in parts.dense.items():
+            key_dim = ("intermediate_size", self.dims.intermediate)
+            fixed = {r: self.true_dims(lin, self.mlp_dims(r, *key_dim)) for r, lin in roles.items()}
+            built = self.gated(f"{prefix}.{block}", fixed, "dense MLP")
+            mlp = mlp or built
+            if built is None:
+                other.extend(fixed.values())
+        for block, experts in parts.experts.items():
+            name = f"{prefix}.{block}"
+            key, inter = self.expert_intermediate()
+            fixed = {e: {r: self.true_dims(lin, self.mlp_dims(r, key, inter)) for r, lin in roles.items()}
+                     for e, roles in experts.items()}
+            shared = None
+            shared_kind, shared_roles = parts.shared.pop(block, (None, {}))
+            if shared_kind:
+                shared_fixed = {r: self.true_dims(lin, self.mlp_dims(r, *self.shared_intermediate(shared_kind)))
+                                for r, lin in shared_roles.items()}
+                shared = self.gated(f"{name}.{shared_kind}", shared_fixed, "shared experts")
+                if shared is None:
+                    other.extend(shared_fixed.values())
+            built = self.moe(name, fixed, shared, shared_kind)
+            if built is None:
+                other.extend(lin for roles in fixed.values() for lin in roles.values())
+                if shared is not None:
+                    other.extend(shared.linears)
+            mlp = mlp or built
+        for block, (kind, roles) in parts.shared.items():  # shared experts without routed ones: a plain MLP
+            other.extend(roles.values())
+        return Layer(index, attention, mlp, tuple(other))
+
+    def check_layer_count(self, stack: str, indices: set[int]) -> None:
+        n = self.dims.num_layers
+        if n is None:
+            return
+        limit = n + self.dims.extra_layers
+        for i in sorted(indices):
+            if i >= limit:
+                self.problems.append(Problem(
+                    "layer-count", f"layer {i} is beyond num_hidden_layers = {n}", CONFIG, f"{stack}.{i}"))
+        if self.complete:
+            for i in range(n):
+                if i not in indices:
+                    self.problems.append(Problem(
+                        "missing-layer", f"layer {i} of {n} has no EXL3 linears", CONFIG, f"{stack}.{i}"))
+
+
+def _main_stack(linears: dict[str, LinearInfo]) -> str | None:
+    counts: dict[str, int] = defaultdict(int)
+    for name in linears:
+        m = _LAYER.match(name)
+        if m:
+            counts[m.group("stack")] += 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def build_model(
+    config: ModelConfig, files: list[FileInfo], linears: dict[str, LinearInfo], unquantized: list[TensorInfo],
+    complete: bool = True,
+) -> tuple[CheckpointModel, list[Problem]]:
+    builder = _Builder(config, unquantized, complete)
+    stack = _main_stack(linears)
+    per_layer: dict[int, _LayerParts] = defaultdict(_LayerParts)
+    other: list[LinearInfo] = []
+    head: LinearInfo | TensorInfo | None = None
+    for name, info in linears.items():
+        if name == HEAD:
+            head = builder.true_dims(info, (("hidden_size", config.dims.hidden), ("vocab_size", config.dims.vocab)))
+            continue
+        m = _LAYER.match(name)
+        if not m or m.group("stack") != stack:
+            other.append(info)
+            continue
+        parts, rest = per_layer[int(m.group("index"))], m.group("rest")
+        if a := _ATTENTION.match(rest):
+            parts.attention[a.group("module")][a.group("proj")] = info
+        elif (e := _EXPERT.match(rest)) and e.group("proj") in ROLES:
+            parts.experts[e.group("block")][int(e.group("expert"))][ROLES[e.group("proj")]] = info
+        elif (s := _SHARED.match(rest)) and s.group("proj") in ROLES:
+            parts.shared.setdefault(s.group("block"), (s.group("shared"), {}))[1][ROLES[s.group("proj")]] = info
+        elif (d := _DENSE.match(rest)) and d.group("proj") in ROLES:
+            parts.dense[d.group("block")][ROLES[d.group("proj")]] = info
+        else:
+            parts.other.append(info)
+    if head is None:
+        head = next((t for t in unquantized if t.name == f"{HEAD}.weight"), None)
+    layers = [builder.layer(stack, i, per_layer[i]) for i in sorted(per_layer)]
+    if stack is not None:
+        builder.check_layer_count(stack, set(per_layer))
+    model = CheckpointModel.build(config, files, layers, head, other, unquantized)
+    return model, builder.problems

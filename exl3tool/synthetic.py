@@ -1,0 +1,319 @@
+"""Synthetic EXL3 checkpoints of our own, for tests and benchmarks (random weights, real format).
+
+    random_linear(in_features, out_features, bits, codebook, *, seed, bias=False, legacy_signs=False,
+                  name="linear") -> LinearTensors
+    linear_state_dict(tensors) -> {tensor name: Tensor}        what a checkpoint stores for one linear
+    ModelSpec(...)                                             shape, architecture, K/codebook (per tensor too)
+    write_checkpoint(path, spec=None, **spec_fields) -> Path   config.json + safetensors (+ index)
+    save_safetensors(path, tensors)                            a plain safetensors writer (raw bytes allowed)
+    edit_checkpoint(path, drop=(), replace=None, add=None)     rewrite shards and index consistently
+
+Architectures: "llama" (dense), "qwen3_moe", "qwen2_moe" (shared expert + sigmoid gate), "mixtral"
+(block_sparse_moe, w1/w3/w2), "deepseek_v3" (shared experts, sigmoid group-limited routing). Everything is
+deterministic in `seed`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from exl3tool.format import (
+    MCG_MARKER, MUL1_MARKER, TILE, Codebook, LinearInfo, LinearTensors, padded, words_from_bits,
+)
+from exl3tool.reference.signs import pack_signs
+
+_DTYPE_NAMES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+}
+SUH_MAGNITUDE = (0.018, 0.024)  # what ExLlamaV3's converter produces for unit-scale weights
+SVH_MAGNITUDE = (0.9, 1.1)
+
+
+# --- one linear ------------------------------------------------------------------------------------------
+
+
+def _signed(n: int, low: float, high: float, g: torch.Generator) -> torch.Tensor:
+    signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    return (signs * (low + (high - low) * torch.rand(n, generator=g))).half()
+
+
+def random_linear(
+    in_features: int, out_features: int, bits: float, codebook: Codebook | str, *, seed: int,
+    bias: bool = False, legacy_signs: bool = False, name: str = "linear",
+) -> LinearTensors:
+    """A random EXL3 linear: random trellis bits, suh = random signs x ~0.02 (padded rows included),
+    svh = random signs x ~1 and exactly 0 on padded output columns (legacy: +-1 signs, as su/sv store)."""
+    codebook = Codebook(codebook)
+    words = words_from_bits(bits)
+    if words % TILE and codebook is not Codebook.MUL1:
+        raise ValueError(f"K={bits} exists for the mul1 codebook only")
+    in_p, out_p = padded(in_features), padded(out_features)
+    g = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-(1 << 15), 1 << 15, (in_p // TILE, out_p // TILE, words), dtype=torch.int16, generator=g)
+    if legacy_signs:
+        suh, svh = _signed(in_p, 1, 1, g), _signed(out_p, 1, 1, g)
+    else:
+        suh, svh = _signed(in_p, *SUH_MAGNITUDE, g), _signed(out_p, *SVH_MAGNITUDE, g)
+        svh[out_features:] = 0
+    b = None
+    if bias:
+        b = (torch.randn(out_p, generator=g) * 0.1).half()
+        b[out_features:] = 0
+    info = LinearInfo(name, in_features, out_features, in_p, out_p, float(bits), codebook, bias, legacy_signs,
+                      dims_from_config=True)
+    return LinearTensors(info, trellis, suh, svh, b)
+
+
+def linear_state_dict(t: LinearTensors) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores for `t`, keyed by full tensor name."""
+    name = t.info.name
+    out = {f"{name}.trellis": t.trellis}
+    if t.info.legacy_signs:
+        out[f"{name}.su"], out[f"{name}.sv"] = pack_signs(t.suh), pack_signs(t.svh)
+    else:
+        out[f"{name}.suh"], out[f"{name}.svh"] = t.suh, t.svh
+    if t.info.codebook is Codebook.MCG:
+        out[f"{name}.mcg"] = torch.tensor(MCG_MARKER, dtype=torch.int32)
+    elif t.info.codebook is Codebook.MUL1:
+        out[f"{name}.mul1"] = torch.tensor(MUL1_MARKER, dtype=torch.int32)
+    if t.bias is not None:
+        out[f"{name}.bias"] = t.bias
+    return out
+
+
+# --- safetensors -----------------------------------------------------------------------------------------
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def save_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor | tuple[str, tuple, bytes]]) -> None:
+    """Write a safetensors file. A value may be a tensor or (dtype name, shape, raw bytes) for odd cases."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            dtype, shape, blob = _DTYPE_NAMES[value.dtype], list(value.shape), _tensor_bytes(value)
+        else:
+            dtype, shape, blob = value[0], list(value[1]), bytes(value[2])
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the safetensors convention: data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+# --- whole checkpoints -----------------------------------------------------------------------------------
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+@dataclass
+class ModelSpec:
+    """What `write_checkpoint` builds. `per_linear` maps fnmatch patterns of module names to (K, codebook)
+    overrides, first match wins, e.g. {"*.down_proj": (6, "mul1")}."""
+
+    arch: str = "llama"
+    hidden: int = 256
+    intermediate: int = 320  # dense MLP (and Mixtral's experts)
+    moe_intermediate: int = 128
+    shared_intermediate: int = 192  # qwen2_moe shared expert; deepseek_v3 uses moe_intermediate * n_shared
+    num_shared_experts: int = 1
+    num_layers: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 1024
+    bits: float = 4
+    head_bits: float = 6  # 16 = unquantized fp16 lm_head
+    codebook: Codebook | str = Codebook.MCG
+    per_linear: dict[str, tuple[float, Codebook | str]] = field(default_factory=dict)
+    attention_bias: bool = False
+    legacy_signs: bool = False
+    shards: int = 1
+    index: bool | None = None  # default: an index exactly when sharded
+    embeddings: bool = True
+    seed: int = 0
+    n_group: int = 2  # deepseek_v3 routing groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+
+    @property
+    def moe(self) -> bool:
+        return self.arch != "llama"
+
+
+def _config(spec: ModelSpec) -> dict:
+    cfg = {
+        "architectures": [ARCHITECTURES[spec.arch]], "model_type": spec.arch, "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "num_hidden_layers": spec.num_layers,
+        "vocab_size": spec.vocab, "hidden_act": "silu", "tie_word_embeddings": False,
+        "attention_bias": spec.attention_bias, "rms_norm_eps": 1e-6,
+    }
+    if spec.arch in ("qwen3_moe", "qwen2_moe"):
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.top_k, norm_topk_prob=spec.norm_topk_prob,
+                   moe_intermediate_size=spec.moe_intermediate, mlp_only_layers=list(spec.dense_layers))
+        if spec.arch == "qwen2_moe":
+            cfg["shared_expert_intermediate_size"] = spec.shared_intermediate
+    elif spec.arch == "mixtral":
+        cfg.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
+    elif spec.arch == "deepseek_v3":
+        cfg.update(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.top_k,
+                   moe_intermediate_size=spec.moe_intermediate, n_shared_experts=spec.num_shared_experts,
+                   norm_topk_prob=spec.norm_topk_prob, scoring_func="sigmoid", topk_method="noaux_tc",
+                   n_group=spec.n_group, topk_group=spec.topk_group,
+                   routed_scaling_factor=spec.routed_scaling_factor, first_k_dense_replace=len(spec.dense_layers))
+    cfg["quantization_config"] = {
+        "quant_method": "exl3", "version": "1.6.5", "bits": float(spec.bits), "head_bits": spec.head_bits,
+        "calibration": {"rows": 16, "cols": 512}, "out_scales": "auto", "codebook": Codebook(spec.codebook).value,
+    }
+    return cfg
+
+
+class _Writer:
+    """Accumulates modules (each a dict of tensors kept together in one shard)."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec, self.modules, self.seed = spec, [], spec.seed * 1_000_003
+
+    def linear(self, name: str, in_features: int, out_features: int, *, bits=None, bias=False) -> None:
+        spec = self.spec
+        bits, codebook = (spec.bits if bits is None else bits), spec.codebook
+        for pattern, (k, cb) in spec.per_linear.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                bits, codebook = k, cb
+                break
+        self.seed += 1
+        t = random_linear(in_features, out_features, bits, codebook, seed=self.seed, bias=bias,
+                          legacy_signs=spec.legacy_signs, name=name)
+        self.modules.append(linear_state_dict(t))
+
+    def plain(self, name: str, shape: tuple[int, ...], dtype=torch.bfloat16, scale: float = 0.02) -> None:
+        self.seed += 1
+        g = torch.Generator().manual_seed(self.seed)
+        self.modules.append({name: (torch.randn(shape, generator=g) * scale).to(dtype)})
+
+    def mlp(self, prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> None:
+        gate, up, down = names
+        self.linear(f"{prefix}.{gate}", hidden, inter)
+        self.linear(f"{prefix}.{up}", hidden, inter)
+        self.linear(f"{prefix}.{down}", inter, hidden)
+
+
+def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
+    w = _Writer(spec)
+    h = spec.hidden
+    if spec.embeddings:
+        w.plain("model.embed_tokens.weight", (spec.vocab, h))
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        w.plain(f"{p}.input_layernorm.weight", (h,), scale=1.0)
+        for proj, fan_in, fan_out in (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h)):
+            w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=spec.attention_bias and proj != "o_proj")
+        w.plain(f"{p}.post_attention_layernorm.weight", (h,), scale=1.0)
+        if not spec.moe or i in spec.dense_layers:
+            w.mlp(f"{p}.mlp", h, spec.intermediate)
+            continue
+        block = f"{p}.block_sparse_moe" if spec.arch == "mixtral" else f"{p}.mlp"
+        w.plain(f"{block}.gate.weight", (spec.num_experts, h), torch.float16, scale=0.5)
+        for e in range(spec.num_experts):
+            if spec.arch == "mixtral":
+                w.mlp(f"{block}.experts.{e}", h, spec.intermediate, ("w1", "w3", "w2"))
+            else:
+                w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate)
+        if spec.arch == "qwen2_moe":
+            w.mlp(f"{block}.shared_expert", h, spec.shared_intermediate)
+            w.plain(f"{block}.shared_expert_gate.weight", (1, h), torch.float16, scale=0.5)
+        elif spec.arch == "deepseek_v3":
+            w.mlp(f"{block}.shared_experts", h, spec.moe_intermediate * spec.num_shared_experts)
+            w.plain(f"{block}.gate.e_score_correction_bias", (spec.num_experts,), torch.float32, scale=0.1)
+    w.plain("model.norm.weight", (h,), scale=1.0)
+    if spec.head_bits == 16:
+        w.plain("lm_head.weight", (spec.vocab, h), torch.float16)
+    else:
+        w.linear("lm_head", h, spec.vocab, bits=spec.head_bits)
+    return w.modules
+
+
+def _shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _write_shards(path: Path, shards: list[dict[str, torch.Tensor]], index: bool) -> None:
+    names = _shard_names(len(shards))
+    weight_map = {}
+    for name, tensors in zip(names, shards):
+        save_safetensors(path / name, tensors)
+        weight_map.update({t: name for t in tensors})
+    if index:
+        total = sum(_tensor_nbytes(v) for shard in shards for v in shard.values())
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _tensor_nbytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v[2])
+
+
+def write_checkpoint(path: str | Path, spec: ModelSpec | None = None, **fields) -> Path:
+    """Write a complete synthetic EXL3 checkpoint folder at `path` and return it."""
+    spec = replace(spec or ModelSpec(), **fields)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_config(spec), indent=2))
+    modules = _build(spec)
+    n = max(1, min(spec.shards, len(modules)))
+    per = -(-len(modules) // n)
+    shards = [{k: v for m in modules[i * per:(i + 1) * per] for k, v in m.items()} for i in range(n)]
+    _write_shards(path, shards, spec.index if spec.index is not None else n > 1)
+    return path
+
+
+def edit_checkpoint(
+    path: str | Path, *, drop=(), replace: Mapping[str, torch.Tensor | tuple] | None = None,
+    add: Mapping[str, torch.Tensor | tuple] | None = None,
+) -> None:
+    """Rewrite a checkpoint's shards (and index) with tensors dropped, replaced or added (to the last shard).
+    Values may be raw (dtype, shape, bytes) triples, so any malformed tensor can be produced."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    replace, add, drop = dict(replace or {}), dict(add or {}), set(drop)
+    index_path = path / "model.safetensors.index.json"
+    names = sorted(p.name for p in path.glob("model*.safetensors"))
+    shards = []
+    for name in names:
+        with safe_open(path / name, framework="pt") as f:
+            shards.append({k: replace.pop(k, None) if k in replace else f.get_tensor(k)
+                           for k in f.keys() if k not in drop})
+    if replace:
+        raise KeyError(f"not in the checkpoint: {sorted(replace)}")
+    shards[-1].update(add)
+    for name, tensors in zip(names, shards):
+        save_safetensors(path / name, tensors)
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {t: name for name, tensors in zip(names, shards) for t in tensors}
+        index_path.write_text(json.dumps(index, indent=2))
