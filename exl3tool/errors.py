@@ -11,7 +11,6 @@ tensor it concerns, so a hostile tensor name cannot move the cursor, recolour th
       UnsupportedFeatureError  something exl3tool recognises but refuses to decode (exit 1)
       CheckpointProblemsError  carries the collected `Problem`s that make a request impossible (exit 1)
       GpuUnavailableError      the kernels need a CUDA GPU that is not there or too old (exit 2)
-      GpuUnavailableError      GPU kernels asked for, but no usable CUDA GPU (exit 2)
 """
 
 from __future__ import annotations
@@ -114,7 +113,3 @@ class CheckpointProblemsError(Exl3Error):
     @property
     def unreadable(self) -> bool:
         return any(p.kind is ProblemKind.UNREADABLE for p in self.problems)
-
-
-class GpuUnavailableError(Exl3Error):
-    """The GPU kernels were asked for but no usable CUDA GPU (SM80+) is there; the message says what is missing."""

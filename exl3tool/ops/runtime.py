@@ -1,0 +1,71 @@
+"""Compiling and calling the CuTe DSL kernels: target arch, the compile cache, pointers and streams.
+
+Kernels are compiled once per (kernel, config, arch) with placeholder pointers and dynamic sizes, so a single
+compiled function serves every shape; nothing is ever keyed by tensors. ``EXL3TOOL_ARCH`` (e.g. ``sm_120a``)
+overrides the GPU's own arch and lets CI compile without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from typing import Any, Callable
+
+import torch
+
+from exl3tool.errors import GpuUnavailableError
+
+ARCH_ENV = "EXL3TOOL_ARCH"
+_NAMED_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
+
+_cache: dict[tuple, Any] = {}
+_lock = threading.Lock()
+
+
+def require_gpu(device: torch.device | str | None = None) -> torch.device:
+    """The CUDA device to run on, or GpuUnavailableError saying what is missing."""
+    if not torch.cuda.is_available():
+        raise GpuUnavailableError(
+            "no usable CUDA GPU: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
+        )
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        raise GpuUnavailableError(f"the kernels run on a CUDA device, not {device}")
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        name = torch.cuda.get_device_name(device)
+        raise GpuUnavailableError(f"{name} (SM{major}x) has no mma.sync.m16n8k16 fp16; SM80 or newer is needed")
+    return device
+
+
+def target_arch(device: torch.device | str | None = None) -> str:
+    """The arch to compile for: ``EXL3TOOL_ARCH`` if set, else the GPU's own (``sm_90a`` on an H200)."""
+    override = os.environ.get(ARCH_ENV)
+    if override:
+        return override
+    device = require_gpu(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    return _NAMED_ARCHS.get((major, minor), f"sm_{major}{minor}")
+
+
+def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
+    """``build(options)`` once per (key, arch); the result is reused for every later call."""
+    full_key = (*key, arch)
+    compiled = _cache.get(full_key)
+    if compiled is None:
+        with _lock:
+            compiled = _cache.get(full_key)
+            if compiled is None:
+                compiled = build(f"--gpu-arch={arch}")
+                _cache[full_key] = compiled
+    return compiled
+
+
+def compile_with_ptx(build: Callable[[str], Any], arch: str) -> str:
+    """PTX text of a kernel compiled for ``arch`` (used by the compile-only tests; never cached).
+
+    Keeping the PTX also writes it to a file, so that goes to a throwaway folder, not the working directory."""
+    with tempfile.TemporaryDirectory(prefix="exl3tool-ptx-") as dump:
+        return build(f"--gpu-arch={arch} --keep-ptx --dump-dir={dump}").__ptx__

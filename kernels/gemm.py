@@ -1,0 +1,230 @@
+"""Dense W4A16 trellis GEMM: ``P[s] = X_rot @ W_hat`` over one K split, weights decoded in registers.
+
+Operands are swapped (kernels.md): the decoded 16x16 weight tile is the A operand of ``mma.m16n8k16`` (its
+rows are 16 output columns) and 8 tokens of activations are the B operand, so M = 1 wastes 7/8 of an MMA
+instead of 15/16, and each lane's decoded weights already sit in its A registers (``trellis.mma_a_fragment``).
+
+CTA: ``warps`` warps, warp w owns output tile column ``bn*warps + w`` (16 columns); the CTA owns
+``8*token_groups`` tokens and one K split. Each stage brings ``k_tiles_per_stage`` rows of tiles and the matching
+activation slab into shared memory with 16-byte ``cp.async``; ``stages`` of them are in flight. Partial sums go
+to ``P[split, token, column]`` in fp32; ``rotate.OutputRotation`` reduces the splits and rotates.
+
+Arguments are raw device pointers plus sizes (cheap to call, nothing to convert): X int32 ``[M, in_p/2]`` (fp16
+pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
+``[splits, M, out_p]``, all contiguous and 16-byte aligned.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+from cuda.bindings import driver as cuda
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from . import ptx
+from .trellis import TrellisPlan, codebook_constants, decode_lane, lane_word_indices, mma_a_fragment
+
+SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    bits: float
+    codebook: str
+    token_groups: int = 1  # 8 tokens each
+    warps: int = 8  # 16 output columns each; 8 warps = one 128-column rotation block per CTA
+    k_tiles_per_stage: int = 8  # one 128-row rotation block of the input per stage
+    stages: int = 4
+
+    def __post_init__(self):
+        TrellisPlan(self.bits)  # validates the bitrate
+        if self.token_groups not in (1, 2, 4, 8):
+            raise ValueError("token_groups must be 1, 2, 4 or 8")
+        if self.warps not in (4, 8):
+            raise ValueError("warps must be 4 or 8 (out_p/16 is a multiple of 8)")
+        if self.k_tiles_per_stage not in (1, 2, 4, 8):
+            raise ValueError("k_tiles_per_stage must divide 8 (in_p/16 is a multiple of 8)")
+        if self.stages < 2:
+            raise ValueError("need at least two pipeline stages")
+        if self.smem_bytes > SMEM_LIMIT_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT_BYTES})")
+
+    @property
+    def tokens_per_cta(self) -> int:
+        return 8 * self.token_groups
+
+    @property
+    def w_row_words(self) -> int:
+        return self.warps * TrellisPlan(self.bits).words_per_tile
+
+    @property
+    def w_stage_words(self) -> int:
+        return self.k_tiles_per_stage * self.w_row_words
+
+    @property
+    def x_row_words(self) -> int:
+        # 8 words (16 fp16) per k-tile, +4 words so the 8 token rows a warp reads fall in distinct banks.
+        return 8 * self.k_tiles_per_stage + 4
+
+    @property
+    def x_stage_words(self) -> int:
+        return self.tokens_per_cta * self.x_row_words
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * self.stages * (self.w_stage_words + self.x_stage_words)
+
+
+def fitting_config(**fields) -> GemmConfig:
+    """The config asked for, with as many pipeline stages (down to 2) as fit in the shared-memory limit."""
+    stages = fields.pop("stages", GemmConfig.stages)
+    for n in range(stages, 1, -1):
+        try:
+            return GemmConfig(stages=n, **fields)
+        except ValueError as err:
+            if "shared memory" not in str(err):
+                raise
+    return GemmConfig(stages=2, **fields)
+
+
+class TrellisGemm:
+    def __init__(self, config: GemmConfig):
+        self.cfg = config
+        self.plan = TrellisPlan(config.bits)
+        self.threads = 32 * config.warps
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        p_ptr: cute.Pointer,
+        tokens: Int32,
+        in_p: Int32,
+        out_p: Int32,
+        splits: Int32,
+        k_tiles_per_split: Int32,
+        stream: cuda.CUstream,
+    ):
+        words = self.plan.words_per_tile
+        mX = cute.make_tensor(x_ptr, cute.make_layout((tokens, in_p // 2), stride=(in_p // 2, 1)))
+        mW = cute.make_tensor(
+            w_ptr,
+            cute.make_layout((in_p // 16, out_p // 16, words), stride=((out_p // 16) * words, words, 1)),
+        )
+        mP = cute.make_tensor(
+            p_ptr, cute.make_layout((splits, tokens, out_p), stride=(Int64(tokens) * out_p, out_p, 1))
+        )
+        grid = (
+            mW.shape[1] // self.cfg.warps,
+            (tokens + self.cfg.tokens_per_cta - 1) // self.cfg.tokens_per_cta,
+            mP.shape[0],
+        )
+        self.kernel(mX, mW, mP, k_tiles_per_split).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, k_tiles_per_split: Int32):
+        cfg, plan = self.cfg, self.plan
+        tid, _, _ = cute.arch.thread_idx()
+        bn, bm, split = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+
+        tokens = mX.shape[0]
+        n_k_tiles = mW.shape[0]
+        k_begin = split * k_tiles_per_split
+        k_end = cutlass.min(k_begin + k_tiles_per_split, n_k_tiles)
+        n_chunks = (k_end - k_begin) // cfg.k_tiles_per_stage
+        tok0 = bm * cfg.tokens_per_cta
+        col_tile0 = bn * cfg.warps
+
+        smem = SmemAllocator()
+        sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
+        sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.x_stage_words), 16)
+        addrs = (sW.iterator.toint(), sX.iterator.toint(), mW.iterator.toint(), mX.iterator.toint())
+
+        for st in cutlass.range_constexpr(cfg.stages - 1):
+            if st < n_chunks:
+                self.load_stage(addrs, st, st, k_begin, col_tile0, tok0, tokens, mX.shape[1], mW.shape[1], tid)
+            cute.arch.cp_async_commit_group()
+
+        acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
+        acc.fill(0.0)
+        word_idx, shift = lane_word_indices(plan, lane)
+        consts = codebook_constants(cfg.codebook, ptx)
+        w_lane = warp * plan.words_per_tile
+        g = lane // 4
+        q = lane % 4
+
+        for chunk in range(n_chunks):
+            cute.arch.cp_async_wait_group(cfg.stages - 2)
+            cute.arch.sync_threads()
+            ahead = chunk + cfg.stages - 1
+            if ahead < n_chunks:
+                self.load_stage(
+                    addrs, ahead, ahead % cfg.stages, k_begin, col_tile0, tok0, tokens, mX.shape[1], mW.shape[1], tid
+                )
+            cute.arch.cp_async_commit_group()
+
+            stage = chunk % cfg.stages
+            w_stage = stage * cfg.w_stage_words + w_lane
+            x_stage = stage * cfg.x_stage_words
+            for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
+                words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+                a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
+                for mt in cutlass.range_constexpr(cfg.token_groups):
+                    x_word = x_stage + (mt * 8 + g) * cfg.x_row_words + kk * 8 + q
+                    b = (sX[x_word], sX[x_word + 4])
+                    c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
+                    d = ptx.mma_m16n8k16_f16_f32(a, b, c)
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * mt + i] = d[i]
+
+        # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
+        col = (col_tile0 + warp) * 16 + g
+        for mt in cutlass.range_constexpr(cfg.token_groups):
+            tok = tok0 + mt * 8 + 2 * q
+            if tok < tokens:
+                mP[split, tok, col] = acc[4 * mt]
+                mP[split, tok, col + 8] = acc[4 * mt + 2]
+            if tok + 1 < tokens:
+                mP[split, tok + 1, col] = acc[4 * mt + 1]
+                mP[split, tok + 1, col + 8] = acc[4 * mt + 3]
+
+    def load_stage(self, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles, tid):
+        """Issue the cp.async copies of one stage: ``k_tiles_per_stage`` rows of the CTA's weight tiles (each row
+        one contiguous run of ``warps`` tiles) and the matching activation columns of the CTA's tokens.
+
+        A plain helper traced inline (not ``@cute.jit``): its loops and branches are compile-time Python."""
+        cfg = self.cfg
+        sW_addr, sX_addr, gW_addr, gX_addr = addrs
+        words = self.plan.words_per_tile
+        k_tile0 = k_begin + chunk * cfg.k_tiles_per_stage
+
+        row_chunks = cfg.w_row_words // 4
+        total = cfg.k_tiles_per_stage * row_chunks
+        for it in range((total + self.threads - 1) // self.threads):
+            i = it * self.threads + tid
+            if total % self.threads != 0:
+                i = cutlass.min(i, total - 1)  # surplus threads repeat the last copy: same bytes, same place
+            kk = i // row_chunks
+            part = i % row_chunks
+            g_word = (Int64(k_tile0 + kk) * n_col_tiles + col_tile0) * words + part * 4
+            s_word = stage * cfg.w_stage_words + kk * cfg.w_row_words + part * 4
+            ptx.cp_async_16(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
+
+        row_chunks = 2 * cfg.k_tiles_per_stage
+        total = cfg.tokens_per_cta * row_chunks
+        for it in range((total + self.threads - 1) // self.threads):
+            i = it * self.threads + tid
+            if total % self.threads != 0:
+                i = cutlass.min(i, total - 1)
+            row = i // row_chunks
+            part = i % row_chunks
+            tok = tok0 + row
+            valid = tok < tokens
+            g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_tile0 * 8 + part * 4
+            s_word = stage * cfg.x_stage_words + row * cfg.x_row_words + part * 4
+            # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
+            ptx.cp_async_16(sX_addr + s_word * 4, gX_addr + g_word * 4, cutlass.select_(valid, Int32(16), Int32(0)))

@@ -1,0 +1,184 @@
+"""Inline PTX for the instructions the trellis kernels need and the CuTe DSL does not spell directly.
+
+Every wrapper is a pure value (``has_side_effects=False``) unless it touches memory, so LLVM and ptxas stay
+free to schedule, hoist and CSE them. Immediates are baked into the instruction text: a constant in a register
+costs a register per use site in the inner loop.
+"""
+
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _u32(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:#010x}"
+
+
+def _asm_i32(operands, text, constraints, *, side_effects=False, loc=None, ip=None) -> Int32:
+    values = [Int32(v).ir_value(loc=loc, ip=ip) for v in operands]
+    return Int32(
+        llvm.inline_asm(T.i32(), values, text, constraints, has_side_effects=side_effects, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def shf_l(lo, hi, shift, *, loc=None, ip=None) -> Int32:
+    """Upper 32 bits of ``(hi:lo) << min(shift, 32)``: a funnel shift that reads a 32-bit window of a
+    big-endian bit stream starting ``shift`` bits into ``hi``."""
+    return _asm_i32([lo, hi, shift], "shf.l.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def shf_l_imm(lo, hi, shift: int, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([lo, hi], f"shf.l.clamp.b32 $0, $1, $2, {shift};", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def shl(x, shift, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([x, shift], "shl.b32 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def shr_imm(x, shift: int, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([x], f"shr.b32 $0, $1, {shift};", "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bfe16(x, pos: int, *, loc=None, ip=None) -> Int32:
+    """Bits ``[pos, pos+16)`` of ``x`` (LSB-numbered), zero-extended."""
+    return _asm_i32([x], f"bfe.u32 $0, $1, {pos}, 16;", "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mul_lo_imm(x, factor: int, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([x], f"mul.lo.u32 $0, $1, {_u32(factor)};", "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mad_lo_imm(x, factor: int, addend: int, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([x], f"mad.lo.u32 $0, $1, {_u32(factor)}, {_u32(addend)};", "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pinned(value: int, *, loc=None, ip=None) -> Int32:
+    """A constant in a register (made once, outside the loop): LOP3 has one immediate slot, so the second
+    constant of ``and_xor`` must come from a register or ptxas splits the LOP3 in two."""
+    return _asm_i32([], f"mov.b32 $0, {_u32(value)};", "=r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def and_xor(x, mask: int, flip, *, loc=None, ip=None) -> Int32:
+    """``(x & mask) ^ flip`` in one LOP3 (``mask`` immediate, ``flip`` a register from ``pinned``)."""
+    return _asm_i32([x, flip], f"lop3.b32 $0, $1, {_u32(mask)}, $2, 0x6a;", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def prmt_imm(a, b, selector: int, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([a, b], f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def dp4a_bytesum(x, base: int, *, loc=None, ip=None) -> Int32:
+    """``base + sum of the four unsigned bytes of x`` in one DP4A."""
+    text = (
+        "{.reg .b32 ones, acc; mov.b32 ones, 0x01010101; mov.b32 acc, "
+        f"{_u32(base)}; dp4a.u32.u32 $0, $1, ones, acc;}}"
+    )
+    return _asm_i32([x], text, "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def hadd2(a, b, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([a, b], "add.rn.f16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def hfma2_imm(a, mul: int, add: int, *, loc=None, ip=None) -> Int32:
+    text = (
+        f"{{.reg .b32 m, c; mov.b32 m, {_u32(mul)}; mov.b32 c, {_u32(add)}; "
+        "fma.rn.f16x2 $0, $1, m, c;}"
+    )
+    return _asm_i32([a], text, "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mma_m16n8k16_f16_f32(a, b, c, *, loc=None, ip=None):
+    """``D = A @ B + C`` for one warp: A 16x16 fp16 (4 regs), B 16x8 fp16 (2 regs), C/D 16x8 fp32 (4 regs)."""
+    struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
+    values = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+    values += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = llvm.inline_asm(
+        struct,
+        values,
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    f32 = T.f32()
+    return tuple(Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
+    """Asynchronous 16-byte global->shared copy; ``src_bytes`` < 16 zero-fills the rest (0 = all zeros)."""
+    llvm.inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+            Int32(src_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_shared_b32(smem_addr, value, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.shared.b32 [$0], $1;",
+        "r,r",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_v4(smem_addr, *, loc=None, ip=None):
+    """Four 32-bit words from a 16-byte aligned shared address."""
+    struct = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    res = llvm.inline_asm(
+        struct,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    i32 = T.i32()
+    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def st_global_v4(gmem_addr, words, *, loc=None, ip=None) -> None:
+    """Store four 32-bit words to a 16-byte aligned global address."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words],
+        "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
+        "l,r,r,r,r",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )

@@ -1,0 +1,143 @@
+"""The incoherence rotations around the trellis GEMM (format doc section 5), one warp per (row, 128-block).
+
+Input:  ``X_rot[r, :] = H128(x[r, :] * suh)`` per 128-column block, fp32 math, stored fp16 for the MMA.
+Output: ``y[r, :] = H128(sum_s P[s, r, :]) * svh + bias``, which also reduces the GEMM's K splits.
+
+Lane ``l`` holds elements ``4l .. 4l+3`` of a block: the two low index bits are butterflies in registers, the
+five high bits are ``shfl.bfly`` exchanges with lanes ``l ^ 1 .. l ^ 16``. H128 is the natural-order Sylvester
+matrix scaled by ``1/sqrt(128)``; it is symmetric and its own inverse.
+"""
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+from cuda.bindings import driver as cuda
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+ROWS_PER_CTA = 4  # one warp per row
+INV_SQRT_128 = 1.0 / math.sqrt(128.0)
+
+DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
+
+
+def hadamard128(v, lane):
+    """Rotate the 128-vector spread over a warp as 4 values per lane (a list of 4 Float32, returned new)."""
+    a = (v[0] + v[1], v[0] - v[1], v[2] + v[3], v[2] - v[3])
+    v = [a[0] + a[2], a[1] + a[3], a[0] - a[2], a[1] - a[3]]
+    for bit in range(5):
+        offset = 1 << bit
+        # The lane with the bit set holds the "minus" side: new = partner - self; otherwise partner + self.
+        sign = Float32(1.0) - Float32(2.0) * Float32((lane >> bit) & 1)
+        v = [cute.arch.shuffle_sync_bfly(x, offset) + sign * x for x in v]
+    return [x * Float32(INV_SQRT_128) for x in v]
+
+
+@dataclass(frozen=True)
+class InputRotationConfig:
+    in_dtype: str  # "float16" | "bfloat16"
+
+
+class InputRotation:
+    """``X_rot (M, in_p) fp16 = H128(x (M, in_true) * suh)``; columns past ``in_true`` read as zero."""
+
+    def __init__(self, config: InputRotationConfig):
+        self.cfg = config
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        suh_ptr: cute.Pointer,
+        xr_ptr: cute.Pointer,
+        tokens: Int32,
+        in_true: Int32,
+        x_row_stride: Int32,
+        in_p: Int32,
+        stream: cuda.CUstream,
+    ):
+        mX = cute.make_tensor(x_ptr, cute.make_layout((tokens, in_true), stride=(Int64(x_row_stride), 1)))
+        mSuh = cute.make_tensor(suh_ptr, cute.make_layout(in_p))
+        mXr = cute.make_tensor(xr_ptr, cute.make_layout((tokens, in_p), stride=(Int64(in_p), 1)))
+        grid = (mXr.shape[1] // 128, (mX.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        block, rows, _ = cute.arch.block_idx()
+        lane = tid % 32
+        row = rows * ROWS_PER_CTA + tid // 32
+        if row < mX.shape[0]:
+            col0 = block * 128 + 4 * lane
+            v = [Float32(0.0)] * 4
+            for i in cutlass.range_constexpr(4):
+                x = Float32(0.0)
+                if col0 + i < mX.shape[1]:
+                    x = Float32(mX[row, col0 + i]) * Float32(mSuh[col0 + i])
+                v[i] = x
+            v = hadamard128(v, lane)
+            for i in cutlass.range_constexpr(4):
+                mXr[row, col0 + i] = cutlass.Float16(v[i])
+
+
+@dataclass(frozen=True)
+class OutputRotationConfig:
+    out_dtype: str  # "float16" | "bfloat16" | "float32"
+    partial_dtype: str = "float32"  # "float16" when the partials come from a dequantize + cuBLAS GEMM
+    has_bias: bool = False
+
+
+class OutputRotation:
+    """``y (M, out_true) = H128(sum_s P[s]) * svh (+ bias)``; P is ``(splits, M, out_p)``.
+
+    Without a bias, pass any valid pointer as ``bias_ptr``: it is never read."""
+
+    def __init__(self, config: OutputRotationConfig):
+        self.cfg = config
+        self.out_type = DTYPES[config.out_dtype]
+
+    @cute.jit
+    def __call__(
+        self,
+        p_ptr: cute.Pointer,
+        svh_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer,
+        y_ptr: cute.Pointer,
+        splits: Int32,
+        tokens: Int32,
+        out_p: Int32,
+        out_true: Int32,
+        y_row_stride: Int32,
+        stream: cuda.CUstream,
+    ):
+        mP = cute.make_tensor(
+            p_ptr, cute.make_layout((splits, tokens, out_p), stride=(Int64(tokens) * out_p, out_p, 1))
+        )
+        mSvh = cute.make_tensor(svh_ptr, cute.make_layout(out_p))
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout(out_p))
+        mY = cute.make_tensor(y_ptr, cute.make_layout((tokens, out_true), stride=(Int64(y_row_stride), 1)))
+        grid = (mP.shape[2] // 128, (mP.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        self.kernel(mP, mSvh, mBias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        block, rows, _ = cute.arch.block_idx()
+        lane = tid % 32
+        row = rows * ROWS_PER_CTA + tid // 32
+        if row < mP.shape[1]:
+            col0 = block * 128 + 4 * lane
+            acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            acc.fill(0.0)
+            for split in range(mP.shape[0]):
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = acc[i] + Float32(mP[split, row, col0 + i])
+            v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
+            for i in cutlass.range_constexpr(4):
+                y = v[i] * Float32(mSvh[col0 + i])
+                if cutlass.const_expr(self.cfg.has_bias):
+                    y = y + Float32(mBias[col0 + i])
+                if col0 + i < mY.shape[1]:
+                    mY[row, col0 + i] = self.out_type(y)

@@ -1,0 +1,159 @@
+"""Trellis decode as executed by one lane of a warp: the device algorithm, written once.
+
+A 16x16 EXL3 tile is a ring of ``256*K`` bits held in ``8K`` 32-bit words. Lane ``t`` of a warp owns tile
+positions ``8t .. 8t+7`` (the mma.m16n8k16 fragment order, format doc section 4), whose 16-bit states are
+windows ending at ring bits ``8tK + c_j`` (``c_j`` below). All eight windows of a lane lie inside three
+consecutive ring words, so a lane loads those words, funnel-shifts them once so its first window starts at
+bit 0, and then cuts every state out at a compile-time offset.
+
+The functions here take an ``ops`` namespace: ``kernels.ptx`` when traced into a CuTe DSL kernel, and
+``kernels.emulate`` (NumPy, bit-exact uint32 semantics) on the CPU. CI runs the emulated path against the
+torch reference, so the instruction sequence the GPU executes is checked without a GPU.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+CODEBOOKS = ("3inst", "mcg", "mul1")
+SUPPORTED_BITS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0)
+
+# Codebook constants (format doc section 4.3).
+INST3_MUL, INST3_ADD = 89226354, 64248484
+MCG_MUL = 0xCBAC1FED
+MUL1_MUL = 0x83DCD12D
+FP16_MASK, FP16_FLIP = 0x8FFF8FFF, 0x3B603B60
+MUL1_INV_X2, MUL1_BIAS_X2 = 0x1EEE1EEE, 0xC931C931  # fp16 pairs: k_inv, k_bias
+FP16_1024 = 0x6400  # fp16 bits of 1024.0: dp4a adds the byte sum to it exactly
+
+
+@dataclass(frozen=True)
+class TrellisPlan:
+    """Compile-time facts of one bitrate: where each of a lane's 8 windows sits."""
+
+    bits: float
+
+    def __post_init__(self):
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"unsupported trellis bitrate K={self.bits}")
+
+    @property
+    def words_per_tile(self) -> int:
+        return int(8 * self.bits)
+
+    @property
+    def lane_stride_bits(self) -> int:
+        """Ring bits between the windows of lane t and lane t+1 (8 weights of K bits)."""
+        return int(8 * self.bits)
+
+    @cached_property
+    def ends(self) -> tuple[int, ...]:
+        """``c_j``: window j of lane t ends at ring bit ``8tK + c_j``. Half rates add one extra bit on odd
+        weights (0xAAAA pattern), so weight i ends at ``(i+1)A + (i+1)//2``."""
+        whole = int(self.bits)
+        if self.bits == whole:
+            return tuple((j + 1) * whole for j in range(8))
+        return tuple((j + 1) * whole + (j + 1) // 2 for j in range(8))
+
+    @property
+    def first_window_offset(self) -> int:
+        return self.ends[0] - 16
+
+    @cached_property
+    def deltas(self) -> tuple[int, ...]:
+        """Start of window j relative to window 0 (compile-time shift amounts)."""
+        return tuple(c - self.ends[0] for c in self.ends)
+
+    @cached_property
+    def raw_words(self) -> int:
+        """Ring words a lane must load: enough for the worst lane alignment."""
+        span = self.deltas[-1] + 16
+        worst = max((t * self.lane_stride_bits + self.first_window_offset) % 32 for t in range(32))
+        words = -(-(worst + span) // 32)
+        assert words <= 3, "a lane's windows must fit in three ring words"
+        return words
+
+    @cached_property
+    def stream_words(self) -> int:
+        """Words of the lane's shifted stream that the windows touch."""
+        return -(-(self.deltas[-1] + 16) // 32)
+
+
+def lane_word_indices(plan: TrellisPlan, lane):
+    """Ring word indices a lane loads, and the bit shift that aligns its first window to bit 0.
+
+    ``lane`` may be a DSL Int32 or a NumPy int array; the arithmetic is the same for both.
+    """
+    first_bit = lane * plan.lane_stride_bits + plan.first_window_offset  # < 0 only for lane 0: wraps
+    word = first_bit >> 5
+    shift = first_bit & 31
+    n = plan.words_per_tile
+    indices = tuple((word + k + n) % n for k in range(plan.raw_words))
+    return indices, shift
+
+
+def lane_states(plan: TrellisPlan, words, shift, ops):
+    """The eight 16-bit states of a lane from its raw ring words (``lane_word_indices`` order)."""
+    stream = []
+    for q in range(plan.stream_words):
+        if q + 1 < len(words):
+            stream.append(ops.shf_l(words[q + 1], words[q], shift))
+        else:
+            stream.append(ops.shl(words[q], shift))
+    states = []
+    for delta in plan.deltas:
+        q, r = divmod(delta, 32)
+        if r <= 16:
+            states.append(ops.bfe16(stream[q], 16 - r))
+        else:
+            states.append(ops.shr_imm(ops.shf_l_imm(stream[q + 1], stream[q], r), 16))
+    return states
+
+
+def codebook_constants(codebook: str, ops):
+    """Registers the codebook needs, made once per kernel (outside the main loop)."""
+    return () if codebook == "mul1" else (ops.pinned(FP16_FLIP),)
+
+
+def states_to_half2(codebook: str, states, ops, consts):
+    """Codebook: 8 states -> 4 packed fp16 pairs (pair p holds weights 2p, 2p+1; lower index in the low half)."""
+    pairs = []
+    if codebook == "mul1":
+        sums = [ops.dp4a_bytesum(ops.mul_lo_imm(s, MUL1_MUL), FP16_1024) for s in states]
+        for p in range(4):
+            packed = ops.prmt_imm(sums[2 * p], sums[2 * p + 1], 0x5410)
+            pairs.append(ops.hfma2_imm(packed, MUL1_INV_X2, MUL1_BIAS_X2))
+        return pairs
+    if codebook == "mcg":
+        hashed = [ops.mul_lo_imm(s, MCG_MUL) for s in states]
+    elif codebook == "3inst":
+        hashed = [ops.mad_lo_imm(s, INST3_MUL, INST3_ADD) for s in states]
+    else:
+        raise ValueError(f"unknown codebook {codebook!r}")
+    (flip,) = consts
+    masked = [ops.and_xor(x, FP16_MASK, flip) for x in hashed]
+    for p in range(4):
+        lo = ops.prmt_imm(masked[2 * p], masked[2 * p + 1], 0x5410)
+        hi = ops.prmt_imm(masked[2 * p], masked[2 * p + 1], 0x7632)
+        pairs.append(ops.hadd2(lo, hi))
+    return pairs
+
+
+def decode_lane(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
+    """Lane's 8 weights as 4 fp16x2 registers: (w0,w1), (w2,w3), (w4,w5), (w6,w7).
+
+    ``consts`` comes from ``codebook_constants`` (hoisted out of the loop by the caller)."""
+    return states_to_half2(codebook, lane_states(plan, words, shift, ops), ops, consts)
+
+
+def mma_a_fragment(pairs):
+    """The lane's pairs in the A-operand order of ``mma.m16n8k16`` with A = W_hat^T (rows = output columns).
+
+    Pairs 0/1 hold tile column ``t//4`` (rows 2c.. and 2c+8..), pairs 2/3 column ``t//4 + 8``; A's register order
+    is (row g, k lo), (row g+8, k lo), (row g, k hi), (row g+8, k hi).
+    """
+    return (pairs[0], pairs[2], pairs[1], pairs[3])
+
+
+def tile_position(lane: int, j: int) -> tuple[int, int]:
+    """(row, col) inside the 16x16 tile of lane ``lane``'s weight ``j`` (row = input, col = output)."""
+    return 2 * (lane % 4) + (0, 1, 8, 9)[j % 4], lane // 4 + 8 * (j >= 4)

@@ -1,0 +1,85 @@
+"""The device decode sequence (kernels.trellis with NumPy ops) against the torch reference, bit for bit, on the
+CPU: every bitrate, every codebook, every lane. Also the swapped-operand MMA fragment mapping of the GEMM."""
+
+import numpy as np
+import pytest
+import torch
+
+from exl3tool.kernels import emulate
+from exl3tool.kernels.trellis import (
+    CODEBOOKS,
+    SUPPORTED_BITS,
+    TrellisPlan,
+    decode_lane,
+    codebook_constants,
+    lane_word_indices,
+    mma_a_fragment,
+    tile_position,
+)
+from exl3tool.reference import decode_trellis
+
+CASES = [(bits, cb) for bits in SUPPORTED_BITS for cb in CODEBOOKS]
+LANES = np.arange(32)
+
+
+def random_tiles(bits, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-32768, 32768, (n, 1, int(16 * bits)), dtype=torch.int32, generator=g).to(torch.int16)
+
+
+def emulated_tile(plan, codebook, tile_words16):
+    """Run the lane decode for all 32 lanes of one tile; return the fp16 16x16 tile and the lanes' pairs."""
+    ring = tile_words16.numpy().view(np.uint32)
+    idx, shift = lane_word_indices(plan, LANES)
+    pairs = decode_lane(plan, codebook, [ring[i] for i in idx], shift, emulate, codebook_constants(codebook, emulate))
+    tile = np.zeros((16, 16), dtype=np.uint16)
+    for j in range(8):
+        half = (pairs[j // 2] >> np.uint32(16 * (j % 2))) & np.uint32(0xFFFF)
+        for lane in range(32):
+            tile[tile_position(lane, j)] = half[lane]
+    return tile.view(np.float16), pairs
+
+
+@pytest.mark.parametrize("bits,codebook", CASES)
+def test_lane_decode_matches_reference(bits, codebook):
+    plan = TrellisPlan(bits)
+    tiles = random_tiles(bits, 6, seed=int(bits * 10) + len(codebook))
+    ref = decode_trellis(tiles.reshape(6, 1, -1), codebook, bits).numpy()  # 6 tiles stacked along the input
+    for t in range(6):
+        got, _ = emulated_tile(plan, codebook, tiles[t, 0])
+        assert np.array_equal(got.view(np.uint16), ref[16 * t : 16 * t + 16].view(np.uint16)), (bits, codebook, t)
+
+
+def test_lane_words_cover_every_window():
+    """Each lane's windows fit in the words it loads (the plan's claim), for every bitrate and lane."""
+    for bits in SUPPORTED_BITS:
+        plan = TrellisPlan(bits)
+        idx, shift = lane_word_indices(plan, LANES)
+        assert len(idx) == plan.raw_words <= 3
+        assert np.all(shift + plan.deltas[-1] + 16 <= 32 * plan.raw_words)
+        assert all(np.all((i >= 0) & (i < plan.words_per_tile)) for i in idx)
+
+
+def test_unknown_bitrate_and_codebook_are_refused():
+    with pytest.raises(ValueError):
+        TrellisPlan(4.5)
+    with pytest.raises(ValueError):
+        decode_lane(TrellisPlan(2.0), "qtip", [np.uint32(0)] * 2, 0, emulate, ())
+
+
+@pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (3.5, "mul1"), (7.0, "3inst")])
+def test_swapped_mma_fragments_compute_x_times_w_hat(bits, codebook):
+    """A = decoded tile (mma_a_fragment), B = 8 token rows of x as the GEMM loads them: D[col, token] = (x @ W)."""
+    plan = TrellisPlan(bits)
+    tile, pairs = emulated_tile(plan, codebook, random_tiles(bits, 1, seed=3)[0, 0])
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 16)).astype(np.float16)
+    words = x.view(np.uint32)  # row-major: word (token, k/2) holds x[token, k], x[token, k+1]
+    g, q = LANES // 4, LANES % 4
+    b = (words[g, q], words[g, q + 4])
+    zeros = [np.zeros(32)] * 4
+    d = emulate.mma_m16n8k16(mma_a_fragment(pairs), b, zeros)
+    y = np.full((8, 16), np.nan)
+    # The GEMM epilogue: c0 -> (token 2q, col g), c1 -> (2q+1, g), c2 -> (2q, g+8), c3 -> (2q+1, g+8).
+    y[2 * q, g], y[2 * q + 1, g], y[2 * q, g + 8], y[2 * q + 1, g + 8] = d
+    np.testing.assert_allclose(y, x.astype(np.float64) @ tile.astype(np.float64), rtol=1e-12, atol=1e-12)

@@ -1,0 +1,71 @@
+"""Compile-only kernel tests (no GPU needed): every kernel variant compiles for SM120 (and a spread for SM90 and
+SM80), its PTX drives the tensor cores with mma.sync, and no CTA asks for more than SM120's 99 KB of shared
+memory."""
+
+import pytest
+
+from exl3tool.kernels.dequant import DequantConfig
+from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, fitting_config
+from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
+from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
+from exl3tool.ops import launch
+from exl3tool.ops.runtime import compile_with_ptx
+
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+CASES = [(bits, cb) for bits in SUPPORTED_BITS for cb in CODEBOOKS]
+
+
+def ptx_of(config, arch="sm_120a"):
+    return compile_with_ptx(lambda options: launch.BUILDERS[type(config)](config, options), arch)
+
+
+@pytest.mark.parametrize("token_groups", [1, 8])
+@pytest.mark.parametrize("bits,codebook", CASES)
+def test_gemm_compiles_for_sm120_with_mma_sync(bits, codebook, token_groups):
+    config = fitting_config(bits=bits, codebook=codebook, token_groups=token_groups)
+    ptx = ptx_of(config)
+    assert ".target sm_120a" in ptx
+    # One MMA per token group per decoded k-tile of a stage.
+    assert ptx.count(MMA) >= token_groups * config.k_tiles_per_stage
+    assert "cp.async.cg.shared.global" in ptx
+    assert config.smem_bytes <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (3.5, "mul1"), (8.0, "3inst")])
+def test_gemm_compiles_for_other_mma_sync_archs(bits, codebook, arch):
+    ptx = ptx_of(GemmConfig(bits=bits, codebook=codebook, token_groups=2), arch)
+    assert f".target {arch}" in ptx and MMA in ptx
+
+
+@pytest.mark.parametrize("bits,codebook", CASES)
+def test_dequantize_compiles(bits, codebook):
+    ptx = ptx_of(DequantConfig(bits, codebook))
+    # The codebook's signature instruction is in the decode.
+    marker = {"mul1": "dp4a.u32.u32", "mcg": "0xcbac1fed", "3inst": "mad.lo.u32"}[codebook]
+    assert marker in ptx
+
+
+@pytest.mark.parametrize(
+    "config",
+    [InputRotationConfig("float16"), InputRotationConfig("bfloat16")]
+    + [
+        OutputRotationConfig(out, partial, bias)
+        for out in ("float16", "bfloat16", "float32")
+        for partial in ("float32", "float16")
+        for bias in (False, True)
+    ],
+    ids=str,
+)
+def test_rotations_compile(config):
+    ptx = ptx_of(config)
+    assert ptx.count("shfl.sync.bfly") >= 5 * 4  # five butterfly stages on four registers
+
+
+def test_configs_refuse_what_the_kernel_cannot_do():
+    with pytest.raises(ValueError):
+        GemmConfig(bits=4.5, codebook="mcg")
+    with pytest.raises(ValueError):
+        GemmConfig(bits=4.0, codebook="mcg", token_groups=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        GemmConfig(bits=8.0, codebook="mcg", token_groups=8, k_tiles_per_stage=8, stages=6)
