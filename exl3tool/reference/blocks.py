@@ -67,18 +67,20 @@ def moe_forward(
     shared: GatedMLPTensors | None = None,
     shared_gate: torch.Tensor | None = None,
     correction_bias: torch.Tensor | None = None,
+    mlp_forward: Callable = gated_mlp_forward,
 ) -> torch.Tensor:
     """fp32 [M, hidden]: sum over each token's top-k experts of weight * expert(x), plus the shared experts
     (scaled by sigmoid(x @ shared_gate.T) when there is such a gate). `expert(e)` loads expert e on demand,
-    so only routed experts are ever decoded."""
+    so only routed experts are ever decoded. `mlp_forward(x, expert)` runs one expert: the fp32 reference by
+    default; exl3tool.ops passes its GPU kernels (then `expert(e)` returns what that function takes)."""
     weights, indices = route(x, router, routing, correction_bias)
     out = torch.zeros(x.shape[0], router.shape[1], dtype=torch.float32, device=x.device)
     for e in indices.unique().tolist():
         rows, slots = (indices == e).nonzero(as_tuple=True)
-        y = gated_mlp_forward(x[rows], expert(e))
+        y = mlp_forward(x[rows], expert(e))
         out.index_add_(0, rows, y * weights[rows, slots, None])
     if shared is not None:
-        y = gated_mlp_forward(x, shared)
+        y = mlp_forward(x, shared)
         if shared_gate is not None:
             y = y * torch.sigmoid(x.float() @ shared_gate.float().T)
         out += y
