@@ -113,8 +113,8 @@ def read_header(path: Path, display_name: str) -> SafetensorsHeader:
             fail(("overlaps the previous tensor" if begin < cursor else f"leaves a gap before byte {begin}"), name)
         cursor = end
     if cursor > data_size:
-        last = spans[-1][2] if spans else None
-        fail(f"truncated: the header describes {cursor} bytes of tensor data, the file holds {data_size}", last)
+        cut = next(name for _, end, name in spans if end > data_size)  # the first tensor the cut reaches
+        fail(f"truncated: the header describes {cursor} bytes of tensor data, the file holds {data_size}", cut)
     if cursor < data_size:
         fail(f"{data_size - cursor} bytes after the last tensor that no header entry describes")
     return SafetensorsHeader(Path(path), display_name, file_size, tensors)

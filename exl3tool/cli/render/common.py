@@ -35,7 +35,7 @@ def problems(console: Console, found: tuple[Problem, ...] | list[Problem]) -> No
     for p in found:
         line = Text("  ")
         line.append(f"[{p.kind.value}] ", style="red")
-        line.append(terminal_safe(str(p)))
+        line.append(str(p))  # Problem.__str__ is already terminal-safe
         console.print(line, soft_wrap=True)
 
 

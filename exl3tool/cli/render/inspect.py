@@ -76,20 +76,24 @@ def _layers(report: InspectReport) -> Table:
 
 
 def _detail(report: InspectReport) -> Table:
-    prefix = _common_prefix([r.name for r in report.layer_detail or ()])
+    rows = report.layer_detail or ()
+    prefix = _common_prefix([r.name for r in rows])
+    names = [r.name[len(prefix):] for r in rows]
     table = Table(title=f"layer {report.detail_layer}: {prefix}*", title_justify="left")
-    table.add_column("linear", overflow="fold")
+    table.add_column("linear", no_wrap=True, min_width=max(map(len, names), default=6))
     for name in ("role", "in x out", "K", "codebook", "bpw"):
         table.add_column(name)
-    table.add_column("file", overflow="fold")
-    for r in report.layer_detail or ():
+    several_files = report.files > 1
+    if several_files:
+        table.add_column("file", overflow="fold")
+    for r, name in zip(rows, names):
         extras = " +bias" if r.bias else ""
         extras += " legacy su/sv" if r.legacy_signs else ""
         dims = f"{r.in_features}x{r.out_features}"
         if (r.in_padded, r.out_padded) != (r.in_features, r.out_features):
             dims += f" (pad {r.in_padded}x{r.out_padded})"
-        table.add_row(safe(r.name[len(prefix):]), r.role, dims, bits(r.bits), safe(r.codebook + extras),
-                      bits(r.effective_bits), safe(r.file))
+        cells = [safe(name), r.role, dims, bits(r.bits), safe(r.codebook + extras), bits(r.effective_bits)]
+        table.add_row(*cells, *([safe(r.file)] if several_files else []))
     return table
 
 

@@ -1,0 +1,44 @@
+"""Test helpers: where the trimmed genuine fixtures are, and a CLI runner that forbids tracebacks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from exl3tool.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+EXAMPLE = ROOT / "examples" / "qwen3moe_mul1"
+GENUINE = ("llama_3inst", "llama_mcg", "llama_mul1", "qwen3moe_mul1")
+
+
+def model_dir(name: str) -> Path:
+    """The checkpoint folder of a genuine fixture (the Qwen3-MoE one is the example)."""
+    return EXAMPLE if name == "qwen3moe_mul1" else FIXTURES / name
+
+
+def outputs_dir(name: str) -> Path:
+    return FIXTURES / name
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+
+def run_cli(*args: str) -> CliResult:
+    result = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=True)
+    # an exception escaping the app would be a traceback for the user
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    out = CliResult(result.exit_code, result.stdout, result.stderr)
+    assert "Traceback" not in out.stdout + out.stderr
+    return out

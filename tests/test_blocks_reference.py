@@ -1,0 +1,126 @@
+"""Whole-block reference on synthetic checkpoints of every MoE naming: routing checked against a naive
+per-token loop written from the HF modeling code, experts and shared experts through single-expert forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exl3tool
+from exl3tool.errors import UnsupportedFeatureError, UsageError
+from exl3tool.format import MoEBlock
+from exl3tool.synthetic import ModelSpec, write_checkpoint
+
+
+def naive_weights(x, router, cfg, bias=None):
+    """{expert: weight} per token, one token at a time, following the HF routing code."""
+    out = []
+    for row in x.double():
+        logits = router.double() @ row
+        if cfg["method"] == "softmax":
+            scores = logits.softmax(-1)
+            top = sorted(range(len(scores)), key=lambda e: -scores[e])[: cfg["top_k"]]
+            weights = {e: scores[e].item() for e in top}
+        else:  # DeepSeek-V3 noaux_tc
+            scores = logits.sigmoid()
+            choice = scores + bias.double()
+            per = len(scores) // cfg["n_group"]
+            groups = [sorted(choice[g * per:(g + 1) * per].tolist(), reverse=True) for g in range(cfg["n_group"])]
+            group_score = [sum(g[:2]) for g in groups]
+            kept = sorted(range(cfg["n_group"]), key=lambda g: -group_score[g])[: cfg["topk_group"]]
+            allowed = [e for e in range(len(scores)) if e // per in kept]
+            top = sorted(allowed, key=lambda e: -choice[e])[: cfg["top_k"]]
+            weights = {e: scores[e].item() for e in top}
+        if cfg["normalize"]:
+            total = sum(weights.values())
+            weights = {e: w / total for e, w in weights.items()}
+        out.append({e: w * cfg.get("scale", 1.0) for e, w in weights.items()})
+    return out
+
+
+ARCHS = {
+    "qwen3_moe": dict(block="mlp", method="softmax", normalize=True),
+    "mixtral": dict(block="block_sparse_moe", method="softmax", normalize=True),
+    "qwen2_moe": dict(block="mlp", method="softmax", normalize=False, shared="shared_expert"),
+    "deepseek_v3": dict(block="mlp", method="sigmoid", normalize=True, shared="shared_experts", scale=2.5,
+                        n_group=2, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_moe_block_equals_sum_of_routed_experts(tmp_path, arch):
+    cfg = {**ARCHS[arch], "top_k": 2}
+    spec = ModelSpec(arch=arch, num_layers=1, num_experts=4, top_k=2, norm_topk_prob=cfg["normalize"],
+                     embeddings=False, per_linear={"*.experts.1.*": (2.5, "mul1"), "*.experts.3.down*": (6, "3inst")})
+    path = write_checkpoint(tmp_path / arch, spec)
+    name = f"model.layers.0.{cfg['block']}"
+    x = torch.randn(6, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.block(name)
+        assert isinstance(block, MoEBlock) and len(block.experts) == 4
+        got = ckpt.reference_forward(name, x)
+        router = ckpt.load_tensor(block.router.name)
+        bias = ckpt.load_tensor(block.correction_bias.name) if block.correction_bias else None
+        expected = torch.zeros(6, 256, dtype=torch.float64)
+        for t, weights in enumerate(naive_weights(x, router, cfg, bias)):
+            for e, w in weights.items():
+                expected[t] += w * ckpt.reference_forward(f"{name}.experts.{e}", x[t : t + 1])[0].double()
+        if "shared" in cfg:
+            shared = ckpt.reference_forward(f"{name}.{cfg['shared']}", x).double()
+            if block.shared_expert_gate is not None:
+                gate = ckpt.load_tensor(block.shared_expert_gate.name).double()
+                shared = shared * torch.sigmoid(x.double() @ gate.T)
+            expected += shared
+        assert (block.shared_experts is not None) == ("shared" in cfg)
+    assert got.dtype == torch.float32 and got.shape == (6, 256)
+    rel = ((got.double() - expected).norm() / expected.norm()).item()
+    assert rel < 1e-5, rel
+
+
+def test_dense_mlp_is_silu_gated(tmp_path):
+    path = write_checkpoint(tmp_path / "d", ModelSpec(num_layers=1, embeddings=False, attention_bias=True))
+    x = torch.randn(3, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        p = "model.layers.0.mlp"
+        gate = x @ ckpt.dequantize(f"{p}.gate_proj").T
+        up = x @ ckpt.dequantize(f"{p}.up_proj").T
+        expected = (torch.nn.functional.silu(gate) * up) @ ckpt.dequantize(f"{p}.down_proj").T
+        got = ckpt.reference_forward(p, x)
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+        q = "model.layers.0.self_attn.q_proj"  # with bias
+        assert ckpt.linear(q).has_bias
+        bias = ckpt.load_tensor(f"{q}.bias").float()
+        assert torch.allclose(ckpt.reference_forward(q, x), x @ ckpt.dequantize(q).T + bias, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_lists_linears_and_blocks(tmp_path):
+    path = write_checkpoint(tmp_path / "q2", ModelSpec(arch="qwen2_moe", num_layers=2, dense_layers=(1,),
+                                                       embeddings=False))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        moe, dense = ckpt.layer(0), ckpt.layer(1)
+        assert [b.name for b in moe.blocks][:2] == ["model.layers.0.mlp", "model.layers.0.mlp.experts.0"]
+        assert moe.blocks[-1].name == "model.layers.0.mlp.shared_expert"
+        assert len(moe.linears) == 4 + 4 * 3 + 3
+        assert [b.name for b in dense.blocks] == ["model.layers.1.mlp"]
+
+
+def test_unknown_routing_is_refused_for_blocks_only(tmp_path):
+    import json
+
+    path = write_checkpoint(tmp_path / "u", ModelSpec(arch="qwen3_moe", num_layers=1, embeddings=False))
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "someone_elses_moe"
+    (path / "config.json").write_text(json.dumps(config))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        with pytest.raises(UnsupportedFeatureError):
+            ckpt.reference_forward("model.layers.0.mlp", torch.randn(1, 256))
+        assert ckpt.reference_forward("model.layers.0.mlp.experts.0", torch.randn(1, 256)).shape == (1, 256)
+
+
+def test_wrong_input_width_is_a_usage_error(tmp_path):
+    path = write_checkpoint(tmp_path / "w", ModelSpec(num_layers=1, embeddings=False))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        with pytest.raises(UsageError):
+            ckpt.reference_forward("model.layers.0.mlp", torch.randn(2, 100))
+        with pytest.raises(exl3tool.NotFoundError):
+            ckpt.reference_forward("model.layers.0.nothing", torch.randn(2, 256))

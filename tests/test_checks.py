@@ -1,0 +1,437 @@
+"""Bad inputs, one per check: the exit code, a problem naming file and tensor on one line, never a traceback.
+
+Each case damages a small synthetic checkpoint (or a copy of a genuine fixture) in exactly one way.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+import exl3tool
+from exl3tool.errors import CheckpointProblemsError
+from exl3tool.format import MCG_MARKER
+from exl3tool.synthetic import ModelSpec, edit_checkpoint, save_safetensors, write_checkpoint
+from helpers import model_dir, run_cli
+
+DENSE = ModelSpec(arch="llama", num_layers=1, embeddings=False)
+MOE = ModelSpec(arch="qwen3_moe", num_layers=1, embeddings=False)
+Q = "model.layers.0.self_attn.q_proj"
+GATE = "model.layers.0.mlp.gate_proj"
+FILE = "model.safetensors"
+
+
+def inspect(path, *extra):
+    """(exit code, JSON report or error object, human stdout, human stderr)."""
+    as_json = run_cli("inspect", path, "--format", "json", *extra)
+    human = run_cli("inspect", path, *extra)
+    assert human.exit_code == as_json.exit_code
+    return as_json.exit_code, as_json.json(), human.stdout, human.stderr
+
+
+def assert_problem(path, check, file, tensor, exit_code=1, kind=None):
+    code, report, human, _ = inspect(path)
+    assert code == exit_code, report
+    matches = [p for p in report["problems"] if p["check"] == check]
+    assert matches, f"no {check!r} problem in {report['problems']}"
+    p = matches[0]
+    assert (p["file"], p["tensor"]) == (file, tensor), p
+    if kind:
+        assert p["kind"] == kind
+    # the human output has it as one line: "[kind] file: tensor: message"
+    lines = [line for line in human.splitlines() if f"{file}: {tensor}: " in line]
+    assert lines and p["message"] in lines[0], human
+    return p
+
+
+@pytest.fixture
+def dense(tmp_path):
+    return write_checkpoint(tmp_path / "dense", DENSE)
+
+
+@pytest.fixture
+def moe(tmp_path):
+    return write_checkpoint(tmp_path / "moe", MOE)
+
+
+def test_synthetic_bases_are_sound(dense, moe):
+    for path in (dense, moe):
+        code, report, human, _ = inspect(path)
+        assert code == 0 and report["sound"] and report["problems"] == []
+        assert "sound: no problems found" in human
+
+
+# --- safetensors files -----------------------------------------------------------------------------------
+
+def test_truncated_file(dense):
+    data = (dense / FILE).read_bytes()
+    (dense / FILE).write_bytes(data[:-100])
+    p = assert_problem(dense, "safetensors", FILE, "lm_head.svh", exit_code=2, kind="unreadable")
+    assert "truncated" in p["message"]
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"\x05\x00", "shorter than the 8-byte header"),
+    (struct.pack("<Q", 1 << 40) + b"{}", "header length"),
+    (struct.pack("<Q", 9) + b"{not json", "malformed safetensors header"),
+    (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+])
+def test_malformed_header(dense, raw, words):
+    (dense / FILE).write_bytes(raw)
+    code, report, human, _ = inspect(dense)
+    assert code == 2
+    p = next(p for p in report["problems"] if p["check"] == "safetensors")
+    assert p["file"] == FILE and words in p["message"]
+    assert any(line.strip().startswith(f"[unreadable] {FILE}: ") for line in human.splitlines())
+
+
+def test_bad_header_entry_names_the_tensor(dense):
+    header = {"x.weight": {"dtype": "F16", "shape": [2], "data_offsets": [0, 3]}}
+    raw = json.dumps(header).encode()
+    (dense / FILE).write_bytes(struct.pack("<Q", len(raw)) + raw + b"abc")
+    p = assert_problem(dense, "safetensors", FILE, "x.weight", exit_code=2)
+    assert "needs 4" in p["message"]
+
+
+def test_unknown_dtype_in_header(dense):
+    header = {"x.weight": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}
+    raw = json.dumps(header).encode()
+    (dense / FILE).write_bytes(struct.pack("<Q", len(raw)) + raw + b"ab")
+    assert_problem(dense, "safetensors", FILE, "x.weight", exit_code=2)
+
+
+# --- one linear ------------------------------------------------------------------------------------------
+
+def test_trellis_wrong_dtype(dense):
+    edit_checkpoint(dense, replace={f"{Q}.trellis": torch.zeros(16, 16, 64, dtype=torch.float16)})
+    assert_problem(dense, "trellis-dtype", FILE, f"{Q}.trellis")
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 50), (16, 16, 144), (256, 64)])
+def test_trellis_wrong_shape(dense, shape):
+    edit_checkpoint(dense, replace={f"{Q}.trellis": torch.zeros(shape, dtype=torch.int16)})
+    assert_problem(dense, "trellis-shape", FILE, f"{Q}.trellis")
+
+
+def test_padded_dims_not_multiple_of_128(dense):
+    edit_checkpoint(dense, replace={f"{Q}.trellis": torch.zeros(17, 16, 64, dtype=torch.int16)})
+    p = assert_problem(dense, "padded-dims", FILE, f"{Q}.trellis")
+    assert "272" in p["message"]
+
+
+def test_half_rate_needs_mul1(dense):
+    edit_checkpoint(dense, replace={f"{Q}.trellis": torch.zeros(16, 16, 40, dtype=torch.int16)})
+    assert_problem(dense, "half-rate-codebook", FILE, f"{Q}.trellis")
+
+
+def test_bad_marker_value(dense):
+    edit_checkpoint(dense, replace={f"{Q}.mcg": torch.tensor(12345, dtype=torch.int32)})
+    p = assert_problem(dense, "marker-value", FILE, f"{Q}.mcg")
+    assert "0x00003039" in p["message"] and "0xCBAC1FED" in p["message"]
+
+
+@pytest.mark.parametrize("marker", [torch.tensor([MCG_MARKER], dtype=torch.int32),
+                                    torch.tensor(MCG_MARKER, dtype=torch.int64)])
+def test_bad_marker_dtype_or_shape(dense, marker):
+    edit_checkpoint(dense, replace={f"{Q}.mcg": marker})
+    assert_problem(dense, "marker-dtype", FILE, f"{Q}.mcg")
+
+
+def test_both_markers(dense):
+    edit_checkpoint(dense, add={f"{Q}.mul1": torch.tensor(-2082680531, dtype=torch.int32)})
+    assert_problem(dense, "marker-conflict", FILE, f"{Q}.mul1")
+
+
+def test_missing_suh(dense):
+    edit_checkpoint(dense, drop=[f"{Q}.suh"])
+    assert_problem(dense, "missing-tensor", FILE, f"{Q}.suh")
+
+
+def test_missing_trellis(dense):
+    edit_checkpoint(dense, drop=[f"{Q}.trellis"])
+    assert_problem(dense, "missing-tensor", FILE, f"{Q}.trellis")
+
+
+@pytest.mark.parametrize("leaf, value", [
+    ("suh", torch.ones(128, dtype=torch.float16)),
+    ("svh", torch.ones(256, dtype=torch.float32)),
+])
+def test_scale_wrong_shape_or_dtype(dense, leaf, value):
+    edit_checkpoint(dense, replace={f"{Q}.{leaf}": value})
+    assert_problem(dense, "scale-shape", FILE, f"{Q}.{leaf}")
+
+
+def test_legacy_su_wrong_length(tmp_path):
+    path = write_checkpoint(tmp_path / "legacy", DENSE, legacy_signs=True)
+    assert inspect(path)[0] == 0
+    edit_checkpoint(path, replace={f"{Q}.su": torch.zeros(8, dtype=torch.int16)})
+    assert_problem(path, "scale-shape", FILE, f"{Q}.su")
+
+
+def test_both_suh_and_su(dense):
+    edit_checkpoint(dense, add={f"{Q}.su": torch.zeros(16, dtype=torch.int16)})
+    assert_problem(dense, "scale-conflict", FILE, f"{Q}.su")
+
+
+@pytest.mark.parametrize("leaf, index, value", [("suh", 7, float("nan")), ("svh", 0, float("inf"))])
+def test_nonfinite_scales(dense, leaf, index, value):
+    from safetensors.torch import load_file
+
+    vec = load_file(dense / FILE)[f"{Q}.{leaf}"].clone()
+    vec[index] = value
+    edit_checkpoint(dense, replace={f"{Q}.{leaf}": vec})
+    p = assert_problem(dense, "scale-nonfinite", FILE, f"{Q}.{leaf}")
+    assert f"first at index {index}" in p["message"]
+    with exl3tool.open_checkpoint(dense) as ckpt:
+        with pytest.raises(CheckpointProblemsError) as err:
+            ckpt.reference_forward(Q, torch.randn(1, 256))
+        assert err.value.tensor == f"{Q}.{leaf}"
+
+
+def test_svh_nonzero_on_padding(dense):
+    from safetensors.torch import load_file
+
+    svh = load_file(dense / FILE)[f"{GATE}.svh"].clone()
+    svh[330] = 1.0  # intermediate 320, padded 384
+    edit_checkpoint(dense, replace={f"{GATE}.svh": svh})
+    assert_problem(dense, "svh-padding", FILE, f"{GATE}.svh")
+
+
+def test_bias_wrong_shape(dense):
+    edit_checkpoint(dense, add={f"{Q}.bias": torch.zeros(100, dtype=torch.float16)})
+    assert_problem(dense, "bias", FILE, f"{Q}.bias")
+
+
+# --- unknown and unsupported -----------------------------------------------------------------------------
+
+def test_unknown_tensor_beside_trellis(dense):
+    edit_checkpoint(dense, add={f"{Q}.scales": torch.zeros(4, dtype=torch.float16)})
+    assert_problem(dense, "unknown-tensor", FILE, f"{Q}.scales", kind="unsupported")
+
+
+def test_unknown_integer_tensor(dense):
+    edit_checkpoint(dense, add={"model.layers.0.mlp.qweight": torch.zeros(4, dtype=torch.int32)})
+    assert_problem(dense, "unknown-tensor", FILE, "model.layers.0.mlp.qweight", kind="unsupported")
+
+
+def test_ring_embedding_is_unsupported(dense):
+    edit_checkpoint(dense, add={"model.embed_tokens.trellis": torch.zeros(4096, dtype=torch.int16),
+                                "model.embed_tokens.signs": torch.zeros(64, dtype=torch.int16)})
+    p = assert_problem(dense, "ring-format", FILE, "model.embed_tokens.trellis", kind="unsupported")
+    assert "ring" in p["message"]
+
+
+def test_unknown_tile_order_is_refused(dense):
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"]["tile_order"] = "column_major"
+    (dense / "config.json").write_text(json.dumps(config))
+    code, report, human, _ = inspect(dense)
+    assert code == 1
+    p = next(p for p in report["problems"] if p["check"] == "tile-order")
+    assert p["file"] == "config.json" and p["kind"] == "unsupported" and "column_major" in p["message"]
+    with exl3tool.open_checkpoint(dense) as ckpt:  # and the reference refuses to decode anything
+        with pytest.raises(CheckpointProblemsError):
+            ckpt.dequantize(Q)
+
+
+# --- config consistency and completeness -----------------------------------------------------------------
+
+def test_padded_size_disagrees_with_config(dense):
+    config = json.loads((dense / "config.json").read_text())
+    config["intermediate_size"] = 520  # pads to 640, the trellis says 384
+    (dense / "config.json").write_text(json.dumps(config))
+    p = assert_problem(dense, "config-dims", FILE, f"{GATE}.trellis")
+    assert "intermediate_size = 520" in p["message"]
+
+
+def test_missing_layer(dense):
+    config = json.loads((dense / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (dense / "config.json").write_text(json.dumps(config))
+    assert_problem(dense, "missing-layer", "config.json", "model.layers.1")
+
+
+def test_missing_expert(moe):
+    drop = [n for n in _names(moe) if ".experts.2." in n]
+    edit_checkpoint(moe, drop=drop)
+    p = assert_problem(moe, "missing-expert", FILE, "model.layers.0.mlp.experts.2")
+    assert "expert 2 of 4" in p["message"]
+    with exl3tool.open_checkpoint(moe) as ckpt:
+        with pytest.raises(CheckpointProblemsError):
+            ckpt.reference_forward("model.layers.0.mlp", torch.randn(2, 256))
+
+
+def test_expert_missing_one_projection(moe):
+    drop = [n for n in _names(moe) if ".experts.1.down_proj." in n]
+    edit_checkpoint(moe, drop=drop)
+    assert_problem(moe, "incomplete-mlp", FILE, "model.layers.0.mlp.experts.1.down")
+
+
+def test_expert_shaped_unlike_the_others(moe):
+    name = "model.layers.0.mlp.experts.3.up_proj"
+    edit_checkpoint(moe, replace={f"{name}.trellis": torch.zeros(16, 16, 64, dtype=torch.int16),
+                                  f"{name}.svh": torch.zeros(256, dtype=torch.float16)})
+    kinds = {p["check"] for p in inspect(moe)[1]["problems"]}
+    assert {"expert-shape", "config-dims"} <= kinds
+    assert_problem(moe, "expert-shape", FILE, name)
+
+
+def test_missing_router(moe):
+    edit_checkpoint(moe, drop=["model.layers.0.mlp.gate.weight"])
+    assert_problem(moe, "missing-router", FILE, "model.layers.0.mlp.gate.weight")
+
+
+def test_router_wrong_shape(moe):
+    edit_checkpoint(moe, replace={"model.layers.0.mlp.gate.weight": torch.zeros(3, 256, dtype=torch.float16)})
+    assert_problem(moe, "router-shape", FILE, "model.layers.0.mlp.gate.weight")
+
+
+def test_problems_are_collected_not_stop_at_first(dense, moe):
+    edit_checkpoint(dense, drop=[f"{Q}.suh"], replace={f"{GATE}.mcg": torch.tensor(1, dtype=torch.int32)},
+                    add={"junk.trellis": torch.zeros(8, dtype=torch.int16)})
+    code, report, _, _ = inspect(dense)
+    assert code == 1
+    assert {"missing-tensor", "marker-value", "ring-format"} <= {p["check"] for p in report["problems"]}
+
+
+def _names(path):
+    from safetensors import safe_open
+
+    with safe_open(path / FILE, "pt") as f:
+        return list(f.keys())
+
+
+# --- shards and the index --------------------------------------------------------------------------------
+
+@pytest.fixture
+def sharded(tmp_path):
+    return write_checkpoint(tmp_path / "sharded", DENSE, shards=3)
+
+
+def _rewrite_index(path, edit):
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    edit(index["weight_map"])
+    index_path.write_text(json.dumps(index))
+
+
+def test_sharded_base_is_sound(sharded):
+    code, report, _, _ = inspect(sharded)
+    assert code == 0 and report["summary"]["files"] == 3
+
+
+def test_index_names_a_missing_file(sharded):
+    _rewrite_index(sharded, lambda m: m.update({"lm_head.trellis": "model-00009-of-00009.safetensors"}))
+    p = assert_problem(sharded, "index-file", "model.safetensors.index.json", "lm_head.trellis", exit_code=2)
+    assert "does not exist" in p["message"]
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_index_names_a_path_outside_the_folder(sharded, target):
+    (sharded.parent / "outside.safetensors").write_bytes((sharded / "model-00001-of-00003.safetensors").read_bytes())
+    _rewrite_index(sharded, lambda m: m.update({"model.norm.weight": target}))
+    p = assert_problem(sharded, "index-file", "model.safetensors.index.json", "model.norm.weight", exit_code=2)
+    assert "outside the checkpoint folder" in p["message"]
+
+
+def test_index_places_a_tensor_in_a_file_without_it(sharded):
+    _rewrite_index(sharded, lambda m: m.update({"model.layers.0.extra.weight": "model-00001-of-00003.safetensors"}))
+    assert_problem(sharded, "missing-tensor", "model-00001-of-00003.safetensors", "model.layers.0.extra.weight")
+
+
+def test_missing_shard_without_index(tmp_path):
+    path = write_checkpoint(tmp_path / "noindex", DENSE, shards=3, index=False)
+    assert inspect(path)[0] == 0
+    (path / "model-00002-of-00003.safetensors").unlink()
+    code, report, _, _ = inspect(path)
+    assert code == 2
+    assert report["problems"][0]["check"] == "shard-missing"
+    assert report["problems"][0]["file"] == "model-00002-of-00003.safetensors"
+
+
+def test_tensor_in_two_shards(sharded):
+    from safetensors import safe_open
+
+    with safe_open(sharded / "model-00001-of-00003.safetensors", "pt") as f:
+        first = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(sharded / "model-00003-of-00003.safetensors", "pt") as f:
+        last = {k: f.get_tensor(k) for k in f.keys()}
+    name = next(iter(first))
+    save_safetensors(sharded / "model-00003-of-00003.safetensors", {**last, name: first[name]})
+    p = assert_problem(sharded, "duplicate-tensor", "model-00003-of-00003.safetensors", name)
+    assert "model-00001-of-00003.safetensors" in p["message"]
+
+
+# --- inputs that cannot be read at all -------------------------------------------------------------------
+
+def test_no_such_folder(tmp_path):
+    code, error, _, stderr = inspect(tmp_path / "nope")
+    assert code == 2 and error["error"]["type"] == "UnreadableInputError"
+    assert "nope" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, words", [(None, "missing"), ("{oops", "malformed JSON"),
+                                             ('{"quantization_config": {"quant_method": "gptq"}}', "not an EXL3"),
+                                             ("[1, 2]", "not a JSON object"), ('{"a": 1}', "not an EXL3")])
+def test_unreadable_config(dense, content, words):
+    if content is None:
+        (dense / "config.json").unlink()
+    else:
+        (dense / "config.json").write_text(content)
+    code, error, _, stderr = inspect(dense)
+    assert code == 2 and words in error["error"]["message"] and error["error"]["file"] == "config.json"
+    assert stderr.count("\n") == 1 and "config.json" in stderr
+
+
+def test_no_weights(dense):
+    (dense / FILE).unlink()
+    code, error, _, _ = inspect(dense)
+    assert code == 2 and "no *.safetensors" in error["error"]["message"]
+
+
+def test_a_file_instead_of_a_folder(dense):
+    code, error, _, _ = inspect(dense / "config.json")
+    assert code == 2 and "not a folder" in error["error"]["message"]
+
+
+def test_revision_with_a_local_folder_is_a_usage_error(dense):
+    code, error, _, _ = inspect(dense, "--revision", "main")
+    assert code == 2 and error["error"]["type"] == "UsageError"
+
+
+def test_layer_out_of_range(dense):
+    code, error, _, stderr = inspect(dense, "--layer", "5")
+    assert code == 2 and "no layer 5" in stderr
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "x", "--format", "xml"], ["inspect", "x", "--bogus"],
+                                  ["inspect", "x", "--layer", "-1"], ["nosuchcommand"]])
+def test_typer_usage_errors_exit_2(args):
+    result = run_cli(*args)
+    assert result.exit_code == 2
+
+
+# --- hostile names ---------------------------------------------------------------------------------------
+
+def test_hostile_tensor_names_are_printed_safely(dense):
+    evil = "model.layers.0.\x1b[31mred[/]\nFAKE: line[bold]x"
+    edit_checkpoint(dense, add={f"{evil}.scales": torch.zeros(2, dtype=torch.int32)})
+    code, report, human, _ = inspect(dense)
+    assert code == 1
+    assert any(p["tensor"] == f"{evil}.scales" for p in report["problems"])  # JSON keeps the exact name
+    assert "\x1b" not in human
+    line = next(line for line in human.splitlines() if "FAKE" in line)
+    assert "\\x1b[31mred[/]\\x0aFAKE: line[bold]x.scales" in line
+    assert not any(line.startswith("FAKE") for line in human.splitlines())
+
+
+def test_genuine_fixture_damaged_in_place(copy_of):
+    path = copy_of(model_dir("llama_mcg"))
+    shard = path / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    code, report, _, _ = inspect(path)
+    assert code == 2
+    assert report["problems"][0]["file"] == "model-00002-of-00002.safetensors"

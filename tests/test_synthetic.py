@@ -1,0 +1,65 @@
+"""The synthetic checkpoint writer: what it writes is what the reader finds, for every architecture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import exl3tool
+from exl3tool.format import Codebook, MoEBlock
+from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint
+
+
+@pytest.mark.parametrize("arch, block, experts_names", [
+    ("llama", "mlp", None), ("qwen3_moe", "mlp", "gate_proj"), ("qwen2_moe", "mlp", "gate_proj"),
+    ("mixtral", "block_sparse_moe", "w1"), ("deepseek_v3", "mlp", "gate_proj"),
+])
+def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
+    spec = ModelSpec(arch=arch, num_layers=2, num_experts=3, hidden=384, intermediate=200, moe_intermediate=160,
+                     shards=2, head_bits=16 if arch == "llama" else 2.5, codebook="mul1",
+                     per_linear={"*.o_proj": (8, "3inst")})
+    path = write_checkpoint(tmp_path / arch, spec)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert ckpt.check() == []
+        layer = ckpt.layer(1)
+        assert layer.attention.projections["o_proj"].bits == 8
+        assert layer.attention.projections["o_proj"].codebook is Codebook.INST3
+        assert layer.attention.projections["q_proj"].codebook is Codebook.MUL1
+        if arch == "llama":
+            assert ckpt.head.dtype == "F16"
+            assert layer.mlp.gate.out_features == 200 and layer.mlp.gate.out_padded == 256
+        else:
+            assert isinstance(layer.mlp, MoEBlock) and len(layer.mlp.experts) == 3
+            assert ckpt.head.bits == 2.5
+            expert = layer.mlp.experts[2]
+            assert expert.gate.name == f"model.layers.1.{block}.experts.2.{experts_names}"
+            expected = spec.intermediate if arch == "mixtral" else spec.moe_intermediate
+            assert (expert.gate.in_features, expert.gate.out_features) == (384, expected)
+
+
+def test_random_linear_layout():
+    t = random_linear(100, 200, 2.5, "mul1", seed=1, bias=True)
+    assert t.trellis.shape == (8, 16, 40) and t.trellis.dtype == torch.int16
+    assert t.suh.shape == (128,) and torch.count_nonzero(t.suh) == 128  # padded rows too
+    assert t.svh.shape == (256,) and torch.count_nonzero(t.svh[200:]) == 0 and torch.count_nonzero(t.svh[:200]) == 200
+    assert t.bias.shape == (256,)
+    assert torch.equal(random_linear(100, 200, 2.5, "mul1", seed=1, bias=True).trellis, t.trellis)
+    assert not torch.equal(random_linear(100, 200, 2.5, "mul1", seed=2).trellis, t.trellis)
+    with pytest.raises(ValueError):
+        random_linear(128, 128, 2.5, "mcg", seed=0)
+    with pytest.raises(ValueError):
+        random_linear(128, 128, 9, "mcg", seed=0)
+
+
+def test_legacy_signs_round_trip(tmp_path):
+    path = write_checkpoint(tmp_path / "legacy", ModelSpec(num_layers=1, legacy_signs=True, embeddings=False))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        info = ckpt.linear("model.layers.0.self_attn.k_proj")
+        assert info.legacy_signs and "su" in info.tensors and "suh" not in info.tensors
+        t = ckpt.load_linear(info.name)
+        assert t.suh.dtype == torch.float16 and set(t.suh.abs().unique().tolist()) == {1.0}
+        assert ckpt.check() == []
