@@ -136,9 +136,10 @@ class Checkpoint:
         """fp32 weight of an EXL3 linear in HF orientation [out_features, in_features]."""
         return reference.dequantize(self.load_linear(module_name, device))
 
-    def reference_forward(self, name: str, x: torch.Tensor, device=None) -> torch.Tensor:
-        """fp32 output of the EXL3 linear or block `name` for x [M, in] (true size, any float dtype). Runs on
-        `device` (default: x's device)."""
+    def reference_forward(self, module_or_block_name: str, x: torch.Tensor, device=None) -> torch.Tensor:
+        """fp32 output of an EXL3 linear or a block (dense MLP, MoE block, one expert, shared experts) for
+        x [M, in] (true size, any float dtype). Runs on `device` (default: x's device)."""
+        name = module_or_block_name
         device = x.device if device is None else torch.device(device)
         x = x.to(device)
         if name in self.linears:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exl3tool.errors import NotFoundError, Problem, ProblemKind
-from exl3tool.format import CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo, format_bits
+from exl3tool.format import CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo
 from exl3tool.io.data_checks import check_scales
 from exl3tool.io.scan import scan_checkpoint
 
@@ -273,5 +273,4 @@ def inspect_checkpoint(source, revision: str | None = None, *, layer: int | None
         scan.close()
 
 
-__all__ = ["InspectReport", "LayerRow", "LinearRow", "BitsBin", "HeadInfo", "inspect_checkpoint", "SCHEMA",
-           "format_bits"]
+__all__ = ["InspectReport", "LayerRow", "LinearRow", "BitsBin", "HeadInfo", "inspect_checkpoint", "SCHEMA"]

@@ -289,6 +289,34 @@ def test_router_wrong_shape(moe):
     assert_problem(moe, "router-shape", FILE, "model.layers.0.mlp.gate.weight")
 
 
+def test_expert_beyond_the_configured_count(moe):
+    from exl3tool.synthetic import linear_state_dict, random_linear
+
+    extra = {}
+    for proj, (i, o) in {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}.items():
+        extra.update(linear_state_dict(random_linear(i, o, 4, "mcg", seed=9, name=f"model.layers.0.mlp.experts.4.{proj}")))
+    edit_checkpoint(moe, add=extra)
+    assert_problem(moe, "expert-count", FILE, "model.layers.0.mlp.experts.4")
+
+
+def test_layer_beyond_num_hidden_layers(dense):
+    from exl3tool.synthetic import linear_state_dict, random_linear
+
+    edit_checkpoint(dense, add=linear_state_dict(random_linear(256, 256, 4, "mcg", seed=1,
+                                                               name="model.layers.3.self_attn.o_proj")))
+    assert_problem(dense, "layer-count", "config.json", "model.layers.3")
+
+
+def test_malformed_config_value(dense):
+    config = json.loads((dense / "config.json").read_text())
+    config["hidden_size"] = "wide"
+    (dense / "config.json").write_text(json.dumps(config))
+    code, report, _, _ = inspect(dense)
+    assert code == 1
+    p = next(p for p in report["problems"] if p["check"] == "config-value")
+    assert p["file"] == "config.json" and "hidden_size" in p["message"]
+
+
 def test_problems_are_collected_not_stop_at_first(dense, moe):
     edit_checkpoint(dense, drop=[f"{Q}.suh"], replace={f"{GATE}.mcg": torch.tensor(1, dtype=torch.int32)},
                     add={"junk.trellis": torch.zeros(8, dtype=torch.int16)})
@@ -340,6 +368,12 @@ def test_index_names_a_path_outside_the_folder(sharded, target):
 def test_index_places_a_tensor_in_a_file_without_it(sharded):
     _rewrite_index(sharded, lambda m: m.update({"model.layers.0.extra.weight": "model-00001-of-00003.safetensors"}))
     assert_problem(sharded, "missing-tensor", "model-00001-of-00003.safetensors", "model.layers.0.extra.weight")
+
+
+def test_tensor_not_where_the_index_says(sharded):
+    _rewrite_index(sharded, lambda m: m.pop("model.norm.weight"))
+    shard = "model-00003-of-00003.safetensors"
+    assert_problem(sharded, "index-mismatch", shard, "model.norm.weight")
 
 
 def test_missing_shard_without_index(tmp_path):

@@ -6,7 +6,7 @@ import typer
 
 from exl3tool.cli.console import stdout
 from exl3tool.cli.errors import command_errors, problems_exit_code
-from exl3tool.cli.params import FormatOpt, LayerOpt, ModelArg, OutputFormat, RevisionOpt
+from exl3tool.cli.params import DataChecksOpt, FormatOpt, LayerOpt, ModelArg, OutputFormat, RevisionOpt
 from exl3tool.cli.render.inspect import render_human, render_json
 from exl3tool.inspection import inspect_checkpoint
 
@@ -16,8 +16,7 @@ def inspect(
     layer: LayerOpt = None,
     revision: RevisionOpt = None,
     output_format: FormatOpt = OutputFormat.human,
-    data_checks: bool = typer.Option(True, "--data-checks/--no-data-checks",
-                                     help="Read every suh/svh to check for NaN/Inf and padding (small reads)."),
+    data_checks: DataChecksOpt = True,
 ) -> None:
     """Summarise an EXL3 checkpoint (architecture, codebooks, bitrates, sizes, layers) and check it.
 

@@ -22,4 +22,6 @@ FormatOpt = Annotated[OutputFormat, typer.Option(
     "--format", "-f", case_sensitive=False, help="human (Rich tables) or json (stable schema, see README).")]
 LayerOpt = Annotated[Optional[int], typer.Option(
     "--layer", "-l", min=0, help="Also list every EXL3 linear of decoder layer N.", show_default=False)]
+DataChecksOpt = Annotated[bool, typer.Option(
+    "--data-checks/--no-data-checks", help="Read every suh/svh to check for NaN/Inf and padding (small reads).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device for reference computations, e.g. cpu, cuda:0.")]
