@@ -33,9 +33,10 @@ class GemmConfig:
     bits: float
     codebook: str
     token_groups: int = 1  # 8 tokens each
-    warps: int = 8  # 16 output columns each; 8 warps = one 128-column rotation block per CTA
+    # Defaults from the H200 sweep (docs/perf.md): 4 warps, 8 k-tiles per stage, double buffering.
+    warps: int = 4  # 16 output columns each
     k_tiles_per_stage: int = 8  # one 128-row rotation block of the input per stage
-    stages: int = 4
+    stages: int = 2
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate

@@ -60,7 +60,7 @@ class InputRotation:
         mX = cute.make_tensor(x_ptr, cute.make_layout((tokens, in_true), stride=(Int64(x_row_stride), 1)))
         mSuh = cute.make_tensor(suh_ptr, cute.make_layout(in_p))
         mXr = cute.make_tensor(xr_ptr, cute.make_layout((tokens, in_p), stride=(Int64(in_p), 1)))
-        grid = (mXr.shape[1] // 128, (mX.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        grid = (mXr.shape[1] // 128, (tokens + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
 
     @cute.kernel
@@ -69,8 +69,8 @@ class InputRotation:
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
         row = rows * ROWS_PER_CTA + tid // 32
+        col0 = block * 128 + 4 * lane
         if row < mX.shape[0]:
-            col0 = block * 128 + 4 * lane
             v = [Float32(0.0)] * 4
             for i in cutlass.range_constexpr(4):
                 x = Float32(0.0)

@@ -69,3 +69,4 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         GemmConfig(bits=4.0, codebook="mcg", token_groups=3)
     with pytest.raises(ValueError, match="shared memory"):
         GemmConfig(bits=8.0, codebook="mcg", token_groups=8, k_tiles_per_stage=8, stages=6)
+

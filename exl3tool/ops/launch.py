@@ -94,7 +94,7 @@ def compiled(cfg, arch: str):
 
 
 def launch_gemm(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Tensor, k_tiles_per_split: int):
-    tokens, in_p = xr.shape
+    tokens, in_p = partials.shape[1], xr.shape[1]
     out_p = words.shape[1] * 16
     fn(
         _ptr(xr.view(torch.int32), 16),

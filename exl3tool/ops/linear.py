@@ -5,7 +5,7 @@
     rotate_input / trellis_gemm / rotate_output / dequantize_t   the stages, for tests and benchmarks
 
 Small M streams the trellis through the decode GEMM (split over K so every SM has work); from
-``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat once and letting the tensor-core GEMM of torch multiply is faster.
+``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat once and letting torch's tensor-core GEMM multiply is faster.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.ops import launch
 from exl3tool.ops.runtime import require_gpu, target_arch
 
-DEQUANT_MIN_TOKENS = 512  # measured crossover on the H200: see docs/perf.md
+DEQUANT_MIN_TOKENS = 160  # measured crossover on the H200 (docs/perf.md)
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM (tuned on the H200, docs/perf.md)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -114,14 +114,24 @@ def rotate_input(x: torch.Tensor, lin: DeviceLinear, out: torch.Tensor | None = 
     return xr
 
 
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def trellis_gemm(
-    xr: torch.Tensor, lin: DeviceLinear, plan: GemmPlan | None = None, out: torch.Tensor | None = None
+    xr: torch.Tensor,
+    lin: DeviceLinear,
+    plan: GemmPlan | None = None,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
 ) -> torch.Tensor:
-    """fp32 partial products ``[splits, M, out_p]`` of ``xr @ W_hat`` (xr fp16 ``[M, in_p]``)."""
+    """fp32 partial products ``[splits, M, out_p]`` of ``xr @ W_hat`` for the first ``tokens`` (default: all)
+    rows of xr (fp16 ``[rows, in_p]``)."""
+    tokens = xr.shape[0] if tokens is None else tokens
     if plan is None:
-        plan = plan_gemm(xr.shape[0], lin, torch.cuda.get_device_properties(xr.device).multi_processor_count)
+        plan = plan_gemm(tokens, lin, sm_count(xr.device))
     fn = launch.compiled(plan.config, target_arch(xr.device))
-    partials = _output(out, (plan.splits, xr.shape[0], lin.out_padded), torch.float32, xr.device)
+    partials = _output(out, (plan.splits, tokens, lin.out_padded), torch.float32, xr.device)
     launch.launch_gemm(fn, xr, lin.words, partials, plan.k_tiles_per_split)
     return partials
 
@@ -171,11 +181,10 @@ def linear_forward(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if path == "auto":
         path = "dequant" if x.shape[0] >= DEQUANT_MIN_TOKENS else "gemm"
-    xr = rotate_input(x, lin)
     if path == "gemm":
-        partials = trellis_gemm(xr, lin)
+        partials = trellis_gemm(rotate_input(x, lin), lin)
     elif path == "dequant":
-        partials = (xr @ dequantize_t(lin).t()).unsqueeze(0)
+        partials = (rotate_input(x, lin) @ dequantize_t(lin).t()).unsqueeze(0)
     else:
         raise ValueError(f"unknown path {path!r}: use auto, gemm or dequant")
     return rotate_output(partials, lin, out_dtype)
