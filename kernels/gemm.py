@@ -7,7 +7,10 @@ instead of 15/16, and each lane's decoded weights already sit in its A registers
 CTA: ``warps`` warps, warp w owns output tile column ``bn*warps + w`` (16 columns); the CTA owns
 ``8*token_groups`` tokens and one K split. Each stage brings ``k_tiles_per_stage`` rows of tiles and the matching
 activation slab into shared memory with 16-byte ``cp.async``; ``stages`` of them are in flight. Partial sums go
-to ``P[split, token, column]`` in fp32; ``rotate.OutputRotation`` reduces the splits and rotates.
+to ``P[split, token, column]`` in fp32. Then either ``rotate.OutputRotation`` reduces the splits and rotates
+(``output=None``), or the GEMM does it itself (``output="float16"``, ...): every CTA bumps a counter of its
+128-column block; the last one to arrive (all splits of the block written) sums the partials in split order,
+rotates, scales by svh, adds the bias and writes y, then resets the counter to 0 for the next launch.
 
 Arguments are raw device pointers plus sizes (cheap to call, nothing to convert): X int32 ``[M, in_p/2]`` (fp16
 pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
@@ -23,6 +26,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
+from .rotate import DTYPES, reduce_rotate_store
 from .trellis import TrellisPlan, codebook_constants, decode_lane, lane_word_indices, mma_a_fragment
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
@@ -37,6 +41,8 @@ class GemmConfig:
     warps: int = 4  # 16 output columns each
     k_tiles_per_stage: int = 8  # one 128-row rotation block of the input per stage
     stages: int = 2
+    output: str | None = None  # fused output rotation: y's dtype ("float16", "bfloat16", "float32")
+    has_bias: bool = False
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -48,6 +54,8 @@ class GemmConfig:
             raise ValueError("k_tiles_per_stage must divide 8 (in_p/16 is a multiple of 8)")
         if self.stages < 2:
             raise ValueError("need at least two pipeline stages")
+        if self.output not in (None, *DTYPES):
+            raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         if self.smem_bytes > SMEM_LIMIT_BYTES:
             raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT_BYTES})")
 
@@ -74,7 +82,7 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * self.stages * (self.w_stage_words + self.x_stage_words)
+        return 4 * self.stages * (self.w_stage_words + self.x_stage_words) + 16
 
 
 def fitting_config(**fields) -> GemmConfig:
@@ -106,8 +114,15 @@ class TrellisGemm:
         out_p: Int32,
         splits: Int32,
         k_tiles_per_split: Int32,
+        svh_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer,
+        y_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        out_true: Int32,
+        y_row_stride: Int32,
         stream: cuda.CUstream,
     ):
+        """Without ``output``, the svh/bias/y/counter arguments are ignored (pass any valid pointers)."""
         words = self.plan.words_per_tile
         mX = cute.make_tensor(x_ptr, cute.make_layout((tokens, in_p // 2), stride=(in_p // 2, 1)))
         mW = cute.make_tensor(
@@ -117,15 +132,33 @@ class TrellisGemm:
         mP = cute.make_tensor(
             p_ptr, cute.make_layout((splits, tokens, out_p), stride=(Int64(tokens) * out_p, out_p, 1))
         )
+        epilogue = (
+            cute.make_tensor(svh_ptr, cute.make_layout(out_p)),
+            cute.make_tensor(bias_ptr, cute.make_layout(out_p)),
+            cute.make_tensor(y_ptr, cute.make_layout((tokens, out_true), stride=(Int64(y_row_stride), 1))),
+            cute.make_tensor(counter_ptr, cute.make_layout(out_p // 128 * ((tokens + 7) // 8))),
+        )
         grid = (
             mW.shape[1] // self.cfg.warps,
             (tokens + self.cfg.tokens_per_cta - 1) // self.cfg.tokens_per_cta,
             mP.shape[0],
         )
-        self.kernel(mX, mW, mP, k_tiles_per_split).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+        self.kernel(mX, mW, mP, k_tiles_per_split, *epilogue).launch(
+            grid=grid, block=(self.threads, 1, 1), stream=stream
+        )
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, k_tiles_per_split: Int32):
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mP: cute.Tensor,
+        k_tiles_per_split: Int32,
+        mSvh: cute.Tensor,
+        mBias: cute.Tensor,
+        mY: cute.Tensor,
+        mCounter: cute.Tensor,
+    ):
         cfg, plan = self.cfg, self.plan
         tid, _, _ = cute.arch.thread_idx()
         bn, bm, split = cute.arch.block_idx()
@@ -143,6 +176,7 @@ class TrellisGemm:
         smem = SmemAllocator()
         sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
         sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.x_stage_words), 16)
+        sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         addrs = (sW.iterator.toint(), sX.iterator.toint(), mW.iterator.toint(), mX.iterator.toint())
 
         for st in cutlass.range_constexpr(cfg.stages - 1):
@@ -192,6 +226,28 @@ class TrellisGemm:
             if tok + 1 < tokens:
                 mP[split, tok + 1, col] = acc[4 * mt + 1]
                 mP[split, tok + 1, col + 8] = acc[4 * mt + 3]
+
+        if cutlass.const_expr(cfg.output is not None):
+            # Release our partials, then count this CTA in for its 128-column block of its token block.
+            ptx.fence_gpu()
+            cute.arch.sync_threads()
+            ctas_per_block = 128 // (16 * cfg.warps)
+            block = col_tile0 // 8  # the 128-column block: 8 tile columns
+            slot = bm * (mW.shape[1] // 8) + block
+            counter = mCounter.iterator.toint() + Int64(slot) * 4
+            if tid == 0:
+                arrived = ptx.atomic_add_u32(counter, Int32(1))
+                sLast[0] = Int32(arrived == mP.shape[0] * ctas_per_block - 1)
+            cute.arch.sync_threads()
+            if sLast[0] != 0:
+                ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
+                for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                    row = tok0 + r * cfg.warps + warp
+                    if row < tokens:
+                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, True, cfg.has_bias,
+                                            DTYPES[cfg.output])
+                if tid == 0:
+                    ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 
     def load_stage(self, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles, tid):
         """Issue the cp.async copies of one stage: ``k_tiles_per_stage`` rows of the CTA's weight tiles (each row

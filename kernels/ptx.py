@@ -182,3 +182,78 @@ def st_global_v4(gmem_addr, words, *, loc=None, ip=None) -> None:
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def ld_global_cg_v4_f16_as_f32(gmem_addr, *, loc=None, ip=None):
+    """Four fp16 from an 8-byte aligned global address (L2 only, like ``ld_global_cg_v4_f32``), widened to fp32."""
+    struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
+    res = llvm.inline_asm(
+        struct,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "{.reg .b16 h0, h1, h2, h3; ld.global.cg.v4.b16 {h0, h1, h2, h3}, [$4]; "
+        "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3;}",
+        "=f,=f,=f,=f,l",
+        has_side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    f32 = T.f32()
+    return tuple(Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ld_global_cg_v4_f32(gmem_addr, *, loc=None, ip=None):
+    """Four fp32 from a 16-byte aligned global address, cached in L2 only: data other CTAs just wrote
+    (after a fence) must not come from a stale L1 line."""
+    struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
+    res = llvm.inline_asm(
+        struct,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.cg.v4.f32 {$0,$1,$2,$3}, [$4];",
+        "=f,=f,=f,=f,l",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    f32 = T.f32()
+    return tuple(Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None) -> None:
+    """Order this thread's global memory accesses before/after, device-wide (release + acquire)."""
+    llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atomic_add_u32(gmem_addr, value, *, loc=None, ip=None) -> Int32:
+    """``old = *addr; *addr += value`` atomically, device scope; returns old."""
+    return _asm_i32_addr(gmem_addr, value, "atom.global.add.u32 $0, [$1], $2;", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.u32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _asm_i32_addr(gmem_addr, value, text, *, loc=None, ip=None) -> Int32:
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+            text,
+            "=r,l,r",
+            has_side_effects=True,
+            loc=loc,
+            ip=ip,
+        )
+    )

@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass
 
 import cutlass
-from cuda.bindings import driver as cuda
 import cutlass.cute as cute
+from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
+
+from . import ptx
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
@@ -32,6 +34,46 @@ def hadamard128(v, lane):
         sign = Float32(1.0) - Float32(2.0) * Float32((lane >> bit) & 1)
         v = [cute.arch.shuffle_sync_bfly(x, offset) + sign * x for x in v]
     return [x * Float32(INV_SQRT_128) for x in v]
+
+
+@cute.jit
+def reduce_rotate_store(
+    mP: cute.Tensor,
+    mSvh: cute.Tensor,
+    mBias: cute.Tensor,
+    mY: cute.Tensor,
+    row: Int32,
+    block: Int32,
+    lane: Int32,
+    partial_f32: cutlass.Constexpr,
+    has_bias: cutlass.Constexpr,
+    out_type: cutlass.Constexpr,
+):
+    """One warp: ``y[row, block*128 : +128] = H128(sum_s P[s, row, ...]) * svh (+ bias)``, columns < out_true.
+
+    One vector load per split (4 consecutive columns per lane), unrolled so several splits are in flight; the
+    splits are summed in index order, so the result does not depend on timing (graph replays are identical).
+    Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
+    col0 = block * 128 + 4 * lane
+    acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    acc.fill(0.0)
+    elem = 4 if partial_f32 else 2
+    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0) * elem
+    split_bytes = Int64(mP.shape[1]) * mP.shape[2] * elem
+    for split in cutlass.range(mP.shape[0], unroll=4):
+        if cutlass.const_expr(partial_f32):
+            part = ptx.ld_global_cg_v4_f32(addr + split * split_bytes)
+        else:
+            part = ptx.ld_global_cg_v4_f16_as_f32(addr + split * split_bytes)
+        for i in cutlass.range_constexpr(4):
+            acc[i] = acc[i] + part[i]
+    v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
+    for i in cutlass.range_constexpr(4):
+        y = v[i] * Float32(mSvh[col0 + i])
+        if cutlass.const_expr(has_bias):
+            y = y + Float32(mBias[col0 + i])
+        if col0 + i < mY.shape[1]:
+            mY[row, col0 + i] = out_type(y)
 
 
 @dataclass(frozen=True)
@@ -128,16 +170,5 @@ class OutputRotation:
         lane = tid % 32
         row = rows * ROWS_PER_CTA + tid // 32
         if row < mP.shape[1]:
-            col0 = block * 128 + 4 * lane
-            acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-            acc.fill(0.0)
-            for split in range(mP.shape[0]):
-                for i in cutlass.range_constexpr(4):
-                    acc[i] = acc[i] + Float32(mP[split, row, col0 + i])
-            v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
-            for i in cutlass.range_constexpr(4):
-                y = v[i] * Float32(mSvh[col0 + i])
-                if cutlass.const_expr(self.cfg.has_bias):
-                    y = y + Float32(mBias[col0 + i])
-                if col0 + i < mY.shape[1]:
-                    mY[row, col0 + i] = self.out_type(y)
+            reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, self.cfg.partial_dtype == "float32",
+                                self.cfg.has_bias, self.out_type)

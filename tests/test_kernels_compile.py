@@ -31,6 +31,17 @@ def test_gemm_compiles_for_sm120_with_mma_sync(bits, codebook, token_groups):
     assert config.smem_bytes <= SMEM_LIMIT_BYTES
 
 
+@pytest.mark.parametrize("output", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("bits,codebook,token_groups", [(2.0, "3inst", 1), (4.0, "mcg", 8), (3.5, "mul1", 2)])
+def test_gemm_with_fused_output_rotation_compiles(bits, codebook, token_groups, output):
+    config = fitting_config(bits=bits, codebook=codebook, token_groups=token_groups, output=output, has_bias=True)
+    ptx = ptx_of(config)
+    assert MMA in ptx
+    # The last CTA of a block is found with a device-scope fence + atomic, and reads partials from L2.
+    assert "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx and "ld.global.cg.v4.f32" in ptx
+    assert ptx.count("shfl.sync.bfly") >= 5 * 4 and config.smem_bytes <= SMEM_LIMIT_BYTES
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (3.5, "mul1"), (8.0, "3inst")])
 def test_gemm_compiles_for_other_mma_sync_archs(bits, codebook, arch):

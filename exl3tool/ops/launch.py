@@ -52,7 +52,10 @@ def _stream():
 
 def build_gemm(cfg: GemmConfig, options: str):
     args = [_placeholder(cutlass.Int32, 16), _placeholder(cutlass.Int32, 16), _placeholder(cutlass.Float32, 16)]
-    return cute.compile(TrellisGemm(cfg), *args, 0, 0, 0, 0, 0, make_fake_stream(), options=options)
+    epilogue = [_placeholder(cutlass.Float16, 2), _placeholder(cutlass.Float16, 2),
+                _placeholder(DTYPES[cfg.output or "float32"], 2), _placeholder(cutlass.Int32, 4)]
+    return cute.compile(TrellisGemm(cfg), *args, 0, 0, 0, 0, 0, *epilogue, 0, 0, make_fake_stream(),
+                        options=options)
 
 
 def build_dequant(cfg: DequantConfig, options: str):
@@ -93,9 +96,13 @@ def compiled(cfg, arch: str):
 # --- launchers ---------------------------------------------------------------------------------------------
 
 
-def launch_gemm(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Tensor, k_tiles_per_split: int):
+def launch_gemm(fn, xr, words, partials, k_tiles_per_split: int, fused=None):
+    """``fused``: (svh, bias or None, y, counters) when the config has a fused output rotation."""
     tokens, in_p = partials.shape[1], xr.shape[1]
     out_p = words.shape[1] * 16
+    if fused is None:  # ignored by the kernel; any valid pointers of the right types
+        fused = (words.view(torch.float16), None, partials, words)
+    svh, bias, y, counters = fused
     fn(
         _ptr(xr.view(torch.int32), 16),
         _ptr(words, 16),
@@ -105,6 +112,12 @@ def launch_gemm(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Tenso
         out_p,
         partials.shape[0],
         k_tiles_per_split,
+        _ptr(svh, 2),
+        _ptr(svh if bias is None else bias, 2),
+        _ptr(y, 2),
+        _ptr(counters, 4),
+        y.shape[1],
+        y.stride(0),
         _stream(),
     )
 

@@ -11,7 +11,7 @@ Small M streams the trellis through the decode GEMM (split over K so every SM ha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,14 @@ class DeviceLinear:
     suh: torch.Tensor
     svh: torch.Tensor
     bias: torch.Tensor | None = None
+    _counters: dict = field(default_factory=dict, repr=False)
+
+    def counters(self, n: int) -> torch.Tensor:
+        """Zeroed int32 arrival counters for the fused GEMM epilogue (it resets them after use, so one buffer
+        serves every later launch, CUDA-graph replays included). Made on first use: warm up before capture."""
+        if n not in self._counters:
+            self._counters[n] = torch.zeros(n, dtype=torch.int32, device=self.device)
+        return self._counters[n]
 
     @classmethod
     def from_tensors(cls, tensors: LinearTensors, device: torch.device | str | None = None) -> "DeviceLinear":
@@ -136,6 +144,20 @@ def trellis_gemm(
     return partials
 
 
+def fused_gemm(
+    xr: torch.Tensor, lin: DeviceLinear, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[M, out_features]``: the decode GEMM with the split reduction and output rotation in its epilogue."""
+    tokens = xr.shape[0]
+    plan = plan_gemm(tokens, lin, sm_count(xr.device), output=_DTYPE_NAMES[out_dtype], has_bias=lin.bias is not None)
+    fn = launch.compiled(plan.config, target_arch(xr.device))
+    partials = torch.empty((plan.splits, tokens, lin.out_padded), dtype=torch.float32, device=xr.device)
+    y = _output(out, (tokens, lin.out_features), out_dtype, xr.device)
+    counters = lin.counters(math.ceil(tokens / plan.config.tokens_per_cta) * (lin.out_padded // 128))
+    launch.launch_gemm(fn, xr, lin.words, partials, plan.k_tiles_per_split, fused=(lin.svh, lin.bias, y, counters))
+    return y
+
+
 def rotate_output(
     partials: torch.Tensor, lin: DeviceLinear, out_dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -171,20 +193,27 @@ def check_input(x: torch.Tensor, lin: DeviceLinear) -> None:
 
 
 def linear_forward(
-    x: torch.Tensor, lin: DeviceLinear, out_dtype: torch.dtype | None = None, path: str = "auto"
+    x: torch.Tensor,
+    lin: DeviceLinear,
+    out_dtype: torch.dtype | None = None,
+    path: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [M, out_features] = x @ W^T + bias`` for x ``[M, in_features]`` fp16/bf16.
 
-    ``path``: "auto" (by M), "gemm" (decode GEMM) or "dequant" (decode W_hat, then torch's tensor-core GEMM).
+    ``path``: "auto" (by M), "gemm" (decode GEMM, output rotation fused into its epilogue), "gemm-unfused" (the
+    same GEMM, then the output rotation kernel) or "dequant" (decode W_hat, then torch's tensor-core GEMM).
     """
     check_input(x, lin)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if path == "auto":
         path = "dequant" if x.shape[0] >= DEQUANT_MIN_TOKENS else "gemm"
     if path == "gemm":
+        return fused_gemm(rotate_input(x, lin), lin, out_dtype, out)
+    if path == "gemm-unfused":
         partials = trellis_gemm(rotate_input(x, lin), lin)
     elif path == "dequant":
         partials = (rotate_input(x, lin) @ dequantize_t(lin).t()).unsqueeze(0)
     else:
-        raise ValueError(f"unknown path {path!r}: use auto, gemm or dequant")
-    return rotate_output(partials, lin, out_dtype)
+        raise ValueError(f"unknown path {path!r}: use auto, gemm, gemm-unfused or dequant")
+    return rotate_output(partials, lin, out_dtype, out)
