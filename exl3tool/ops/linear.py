@@ -22,7 +22,10 @@ from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.ops import launch
 from exl3tool.ops.runtime import require_gpu, target_arch
 
-DEQUANT_MIN_TOKENS = 160  # measured crossover on the H200 (docs/perf.md)
+DEQUANT_MIN_TOKENS = 112  # measured crossover on the H200 (docs/perf.md)
+# The fused output rotation pays where few 128-column blocks make the last-CTA tail short (H200: -4..-8% at
+# M <= 4 with N <= 4096) and costs elsewhere (its tail is serial over the CTA's rows), so it is used only there.
+FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM (tuned on the H200, docs/perf.md)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -201,13 +204,20 @@ def linear_forward(
 ) -> torch.Tensor:
     """``y [M, out_features] = x @ W^T + bias`` for x ``[M, in_features]`` fp16/bf16.
 
-    ``path``: "auto" (by M), "gemm" (decode GEMM, output rotation fused into its epilogue), "gemm-unfused" (the
-    same GEMM, then the output rotation kernel) or "dequant" (decode W_hat, then torch's tensor-core GEMM).
+    ``path``: "auto" (by M and N), "gemm" (decode GEMM, output rotation fused into its epilogue),
+    "gemm-unfused" (the same GEMM, then the output rotation kernel) or "dequant" (decode W_hat, then torch's
+    tensor-core GEMM).
     """
     check_input(x, lin)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if path == "auto":
-        path = "dequant" if x.shape[0] >= DEQUANT_MIN_TOKENS else "gemm"
+        tokens = x.shape[0]
+        if tokens >= DEQUANT_MIN_TOKENS:
+            path = "dequant"
+        elif tokens <= FUSED_MAX_TOKENS and lin.out_padded <= FUSED_MAX_OUT:
+            path = "gemm"
+        else:
+            path = "gemm-unfused"
     if path == "gemm":
         return fused_gemm(rotate_input(x, lin), lin, out_dtype, out)
     if path == "gemm-unfused":

@@ -1,0 +1,74 @@
+"""`exl3tool verify` on the GPU: every genuine fixture passes against the reference AND against ExLlamaV3's own
+recorded outputs; a prepared folder gives the same numbers as its source; wrong recorded outputs fail."""
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import GENUINE, model_dir, outputs_dir, run_cli
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", GENUINE)
+def test_every_fixture_passes_against_reference_and_exllamav3(name):
+    recorded = outputs_dir(name) / "exllamav3_outputs.safetensors"
+    result = run_cli("verify", model_dir(name), "--layer", "all", "--input", recorded, "--format", "json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json()
+    assert report["passed"] and report["checks"]
+    recorded_names = {k[: -len(".output")] for k in load_file(recorded) if k.endswith(".output")}
+    compared = {c["name"] for c in report["checks"] if c["vs_recorded"] is not None}
+    assert recorded_names <= compared  # every recorded module was run on its recorded input and compared
+    for check in report["checks"]:
+        assert check["vs_reference"]["rel_l2"] <= 1e-2 and check["vs_reference"]["cosine"] >= 0.9999, check
+        if check["vs_recorded"] is not None:
+            assert check["vs_recorded"]["rel_l2"] <= 1e-2 and check["vs_recorded"]["cosine"] >= 0.9999, check
+
+
+def test_prepared_folder_gives_the_source_numbers(tmp_path):
+    prepared = tmp_path / "prepared"
+    assert run_cli("prepare", model_dir("qwen3moe_mul1"), prepared, "--quiet").exit_code == 0
+    runs = [run_cli("verify", path, "--layer", "1", "--seed", "7", "--format", "json").json()
+            for path in (model_dir("qwen3moe_mul1"), prepared)]
+    assert runs[1]["prepared"] and not runs[0]["prepared"]
+    assert [c["vs_reference"] for c in runs[0]["checks"]] == [c["vs_reference"] for c in runs[1]["checks"]]
+    assert runs[0]["passed"]
+
+
+def test_wrong_recorded_outputs_fail_with_exit_1(tmp_path):
+    """The kernels run on llama_mcg's recorded inputs but are compared with llama_mul1's recorded outputs."""
+    inputs = load_file(outputs_dir("llama_mcg") / "exllamav3_outputs.safetensors")
+    other = load_file(outputs_dir("llama_mul1") / "exllamav3_outputs.safetensors")
+    mixed = {k: (other[k] if k.endswith(".output") else v) for k, v in inputs.items()}
+    save_file(mixed, tmp_path / "mixed.safetensors")
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0", "--input", tmp_path / "mixed.safetensors",
+                     "--format", "json")
+    assert result.exit_code == 1
+    checks = result.json()["checks"]
+    assert all(c["vs_reference"]["rel_l2"] <= 1e-2 for c in checks)  # kernels still match the reference
+    assert all(not c["passed"] for c in checks if c["vs_recorded"] is not None)
+
+
+def test_save_output_holds_reference_and_kernel_tensors(tmp_path):
+    out = tmp_path / "out.safetensors"
+    result = run_cli("verify", model_dir("llama_mul1"), "--layer", "0", "--tokens", "5", "--save-output", out,
+                     "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    saved = load_file(out)
+    for check in result.json()["checks"]:
+        ref, kern = saved[f"{check['name']}.reference"], saved[f"{check['name']}.kernel"]
+        assert ref.shape == kern.shape == (5, check["out_features"])
+        rel = ((kern - ref).norm() / ref.norm()).item()
+        assert math.isclose(rel, check["vs_reference"]["rel_l2"], rel_tol=1e-3, abs_tol=1e-9)
+
+
+def test_human_output_lists_every_module_and_the_verdict(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # a wide "terminal", so no cell is cut short
+    result = run_cli("verify", model_dir("llama_3inst"), "--layer", "0", "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.stderr
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert proj in result.stdout
+    assert "8/8 passed" in result.stdout and "FAIL" not in result.stdout

@@ -1,0 +1,94 @@
+"""`exl3tool verify` on the CPU: metrics, the JSON schema, and every way it refuses input before touching a GPU.
+(The runs on real kernels are in tests/gpu/test_verify.py.)"""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from exl3tool.cli.render.verify import render_json
+from exl3tool.verify import Comparison, ModuleCheck, Thresholds, VerifyReport, compare
+from tests.helpers import model_dir, outputs_dir, run_cli
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+
+
+def test_compare_measures_relative_l2_cosine_and_max_abs():
+    ref = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    assert compare(ref, ref) == Comparison(0.0, pytest.approx(1.0), 0.0)
+    got = ref + torch.tensor([[0.0, 0.5], [0.0, 0.0]])
+    c = compare(got, ref)
+    assert c.rel_l2 == pytest.approx(0.1) and c.max_abs == pytest.approx(0.5) and 0.99 < c.cosine < 1.0
+    assert compare(-ref, ref).cosine == pytest.approx(-1.0)
+
+
+def test_nan_output_never_passes():
+    ref = torch.ones(2, 3)
+    c = compare(torch.full((2, 3), float("nan")), ref)
+    assert math.isinf(c.rel_l2) and not c.passes(Thresholds())
+
+
+def test_thresholds_are_inclusive_bounds():
+    t = Thresholds(max_rel_l2=1e-2, min_cosine=0.9999, max_abs=0.5)
+    assert Comparison(1e-2, 0.9999, 0.5).passes(t)
+    assert not Comparison(1.01e-2, 0.99999, 0.1).passes(t)
+    assert not Comparison(1e-3, 0.9998, 0.1).passes(t)
+    assert not Comparison(1e-3, 0.99999, 0.6).passes(t)
+    assert Comparison(1e-3, 0.99999, 9.0).passes(Thresholds())  # no max-abs bound by default
+
+
+def test_json_schema_and_non_finite_numbers_become_null(capsys):
+    check = ModuleCheck("model.layers.0.mlp.up_proj", "linear", 0, 4, "file", 256, 320, 4.0, "mul1",
+                        Comparison(float("nan"), -1.0, float("inf")), None, False)
+    render_json(VerifyReport("m", False, "GPU", "sm_90a", "float16", 0, Thresholds(), (0,), (check,)))
+    data = json.loads(capsys.readouterr().out)  # strict JSON: no NaN/Infinity tokens
+    assert data["schema"] == "exl3tool.verify/1" and data["passed"] is False
+    assert data["checks"][0]["vs_reference"] == {"rel_l2": None, "cosine": -1.0, "max_abs": None}
+    assert data["thresholds"] == {"max_rel_l2": 0.01, "min_cosine": 0.9999, "max_abs": None}
+
+
+@no_gpu
+def test_without_a_gpu_exit_2_with_one_line_saying_so():
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0")
+    assert result.exit_code == 2
+    assert "no usable GPU" in result.stderr and "torch.cuda.is_available() is False" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layer", ["7", "x", "-1"])
+def test_bad_layer_is_a_usage_error(layer):
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", layer)
+    assert result.exit_code == 2 and "usage error" in result.stderr
+
+
+def test_missing_layer_option_is_a_usage_error():
+    assert run_cli("verify", model_dir("llama_mcg")).exit_code == 2
+
+
+def test_unreadable_input_file(tmp_path):
+    bad = tmp_path / "in.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0", "--input", bad)
+    assert result.exit_code == 2 and "in.safetensors" in result.stderr
+
+
+def test_input_of_the_wrong_width_is_refused_before_any_gpu_work(tmp_path):
+    path = tmp_path / "in.safetensors"
+    save_file({"model.layers.0.self_attn.q_proj.input": torch.zeros(4, 7, dtype=torch.float16)}, path)
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0", "--input", path)
+    assert result.exit_code == 2
+    assert "model.layers.0.self_attn.q_proj.input" in result.stderr and "[M, 256]" in result.stderr
+
+
+def test_unreadable_checkpoint(tmp_path):
+    result = run_cli("verify", tmp_path / "nothing-here", "--layer", "0")
+    assert result.exit_code == 2 and "nothing-here" in result.stderr
+
+
+def test_recorded_fixture_inputs_pass_validation():
+    """The fixtures' own recorded activations are accepted (only the GPU can be missing)."""
+    result = run_cli("verify", model_dir("llama_mul1"), "--layer", "0",
+                     "--input", outputs_dir("llama_mul1") / "exllamav3_outputs.safetensors")
+    assert result.exit_code in (0, 2) and "usage error" not in result.stderr
