@@ -32,6 +32,16 @@ def shl(x, shift):
     return np.where(n >= 32, np.uint32(0), _u32(_u64(x) << np.minimum(n, np.uint64(31))))
 
 
+def shl_imm(x, shift):
+    return _u32(_u64(x) << np.uint64(shift))
+
+
+def half_sums(a, b):
+    alo, ahi = _halves(a)
+    blo, bhi = _halves(b)
+    return _pack(alo + ahi, blo + bhi)
+
+
 def shr_imm(x, shift):
     return _u32(_u64(x) >> np.uint64(shift))
 

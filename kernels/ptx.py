@@ -45,6 +45,24 @@ def shr_imm(x, shift: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def shl_imm(x, shift: int, *, loc=None, ip=None) -> Int32:
+    """``x << shift`` written as a multiply: ptxas issues it as IMAD.SHL on the FMA pipe, which the trellis
+    decode leaves idle while its logic ops saturate the ALU pipe."""
+    return _asm_i32([x], f"mul.lo.u32 $0, $1, {_u32(1 << shift)};", "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def half_sums(a, b, *, loc=None, ip=None) -> Int32:
+    """``(lo(a) + hi(a), lo(b) + hi(b))`` as fp16x2: two half adds reading register halves (FMA pipe) and one
+    pack, instead of two byte permutes (ALU pipe) and one paired add."""
+    text = (
+        "{.reg .b16 al, ah, bl, bh, sa, sb; mov.b32 {al, ah}, $1; mov.b32 {bl, bh}, $2; "
+        "add.rn.f16 sa, al, ah; add.rn.f16 sb, bl, bh; mov.b32 $0, {sa, sb};}"
+    )
+    return _asm_i32([a, b], text, "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def bfe16(x, pos: int, *, loc=None, ip=None) -> Int32:
     """Bits ``[pos, pos+16)`` of ``x`` (LSB-numbered), zero-extended."""
     return _asm_i32([x], f"bfe.u32 $0, $1, {pos}, 16;", "=r,r", loc=loc, ip=ip)

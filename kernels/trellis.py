@@ -92,20 +92,31 @@ def lane_word_indices(plan: TrellisPlan, lane):
 
 
 def lane_states(plan: TrellisPlan, words, shift, ops):
-    """The eight 16-bit states of a lane from its raw ring words (``lane_word_indices`` order)."""
+    """The eight 16-bit states of a lane from its raw ring words (``lane_word_indices`` order).
+
+    The lane's stream is aligned once (funnel shifts by the runtime ``shift``); then every window
+    ``[d, d+16)`` lies inside one of the 32-bit views starting at a multiple of 16 bits (a view at an odd
+    multiple is one more funnel shift, shared by the windows in it), and is cut out as ``(view << r) >> 16``:
+    the left shift goes to the FMA pipe (``shl_imm``), only the right shift to the ALU pipe."""
     stream = []
     for q in range(plan.stream_words):
         if q + 1 < len(words):
             stream.append(ops.shf_l(words[q + 1], words[q], shift))
         else:
             stream.append(ops.shl(words[q], shift))
+    views = {}
+
+    def view(base: int):
+        if base not in views:
+            q, half = divmod(base, 32)
+            views[base] = stream[q] if half == 0 else ops.shf_l_imm(stream[q + 1], stream[q], 16)
+        return views[base]
+
     states = []
     for delta in plan.deltas:
-        q, r = divmod(delta, 32)
-        if r <= 16:
-            states.append(ops.bfe16(stream[q], 16 - r))
-        else:
-            states.append(ops.shr_imm(ops.shf_l_imm(stream[q + 1], stream[q], r), 16))
+        base, r = 16 * (delta // 16), delta % 16
+        v = view(base)
+        states.append(ops.shr_imm(v if r == 0 else ops.shl_imm(v, r), 16))
     return states
 
 
@@ -131,11 +142,7 @@ def states_to_half2(codebook: str, states, ops, consts):
         raise ValueError(f"unknown codebook {codebook!r}")
     (flip,) = consts
     masked = [ops.and_xor(x, FP16_MASK, flip) for x in hashed]
-    for p in range(4):
-        lo = ops.prmt_imm(masked[2 * p], masked[2 * p + 1], 0x5410)
-        hi = ops.prmt_imm(masked[2 * p], masked[2 * p + 1], 0x7632)
-        pairs.append(ops.hadd2(lo, hi))
-    return pairs
+    return [ops.half_sums(masked[2 * p], masked[2 * p + 1]) for p in range(4)]
 
 
 def decode_lane(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
