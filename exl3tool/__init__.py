@@ -4,6 +4,9 @@ Public API (see the module docstrings for details):
 
     exl3tool.open_checkpoint(path, revision=None) -> Checkpoint      exl3tool.checkpoint
     exl3tool.inspect_checkpoint(path, revision=None, ...) -> InspectReport     exl3tool.inspection
+    exl3tool.prepare_checkpoint(source, out, *, layers=None, ...) -> PrepareReport  exl3tool.prepared
+    exl3tool.load_prepared(path, device="cpu", verify_hashes=True) -> PreparedCheckpoint   exl3tool.prepared
+    exl3tool.is_prepared(path) -> bool      a folder written by `exl3tool prepare` (docs/prepared-layout.md)
     exl3tool.format        the format model (Codebook, LinearInfo, LinearTensors, blocks, layers)
     exl3tool.reference     the fp32 torch reference (decode, rotations, linear and block forward)
     exl3tool.synthetic     synthetic checkpoints for tests and benchmarks
@@ -24,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointProblemsError", "Exl3Error", "NotFoundError", "Problem", "ProblemKind", "UnreadableInputError",
     "UnsupportedFeatureError", "UsageError", "open_checkpoint", "inspect_checkpoint", "Checkpoint", "__version__",
+    "load_prepared", "is_prepared", "prepare_checkpoint", "PreparedCheckpoint",
 ]
 
 
@@ -46,4 +50,8 @@ def __getattr__(name):
         from exl3tool.checkpoint import Checkpoint
 
         return Checkpoint
+    if name in ("load_prepared", "is_prepared", "prepare_checkpoint", "PreparedCheckpoint"):
+        import exl3tool.prepared
+
+        return getattr(exl3tool.prepared, name)
     raise AttributeError(f"module 'exl3tool' has no attribute {name!r}")

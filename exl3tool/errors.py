@@ -11,6 +11,7 @@ tensor it concerns, so a hostile tensor name cannot move the cursor, recolour th
       UnsupportedFeatureError  something exl3tool recognises but refuses to decode (exit 1)
       CheckpointProblemsError  carries the collected `Problem`s that make a request impossible (exit 1)
       GpuUnavailableError      the kernels need a CUDA GPU that is not there or too old (exit 2)
+      OutputError              an output file or folder that cannot be written (disk full, no permission) (exit 2)
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ class UnsupportedFeatureError(Exl3Error):
 
 class GpuUnavailableError(Exl3Error):
     """No CUDA device the kernels can run on (none, CPU requested, or older than SM80)."""
+
+
+class OutputError(Exl3Error):
+    """An output (e.g. `exl3tool prepare`'s folder) that cannot be written: no space, no permission, ..."""
 
 
 class CheckpointProblemsError(Exl3Error):

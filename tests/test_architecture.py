@@ -12,7 +12,7 @@ PACKAGE = ROOT / "exl3tool"
 # lower number = lower layer; a module may import only from layers <= its own
 LAYERS = {
     "errors": 0, "format": 1, "io": 2, "reference": 3, "synthetic": 4, "checkpoint": 4, "inspection": 4,
-    "kernels": 5, "ops": 6, "verify": 7, "bench": 7, "cli": 8, "__main__": 9, "__init__": 9,
+    "kernels": 5, "prepared": 5, "ops": 6, "verify": 7, "bench": 7, "cli": 8, "__main__": 9, "__init__": 9,
 }
 
 

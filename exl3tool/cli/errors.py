@@ -14,7 +14,7 @@ import typer
 
 from exl3tool.cli.console import stderr
 from exl3tool.errors import (
-    CheckpointProblemsError, Exl3Error, GpuUnavailableError, NotFoundError, Problem, ProblemKind,
+    CheckpointProblemsError, Exl3Error, GpuUnavailableError, NotFoundError, OutputError, Problem, ProblemKind,
     UnreadableInputError, UnsupportedFeatureError, UsageError, terminal_safe,
 )
 
@@ -26,6 +26,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int, str], ...] = (
     (NotFoundError, EXIT_UNREADABLE, "not found"),
     (UnreadableInputError, EXIT_UNREADABLE, "unreadable input"),
     (GpuUnavailableError, EXIT_UNREADABLE, "no usable GPU"),
+    (OutputError, EXIT_UNREADABLE, "cannot write output"),
     (CheckpointProblemsError, EXIT_PROBLEMS, "checkpoint problem"),
     (UnsupportedFeatureError, EXIT_PROBLEMS, "unsupported"),
     (Exl3Error, EXIT_PROBLEMS, "error"),
