@@ -7,6 +7,7 @@ import typer
 from exl3tool import __version__
 from exl3tool.cli import inspect as inspect_command
 from exl3tool.cli import prepare as prepare_command
+from exl3tool.cli import verify as verify_command
 
 app = typer.Typer(
     name="exl3tool",
@@ -33,6 +34,7 @@ def root(
 
 app.command("inspect")(inspect_command.inspect)
 app.command("prepare")(prepare_command.prepare)
+app.command("verify")(verify_command.verify)
 
 
 def main() -> None:
