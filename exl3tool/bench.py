@@ -18,6 +18,7 @@ import torch
 from exl3tool.ops import linear as ops
 
 L2_MULTIPLE = 3  # the weights a graph replay touches exceed 3x the L2, so they stream from HBM
+PATHS = ("auto", "gemm-unfused", "gemm", "dequant")  # auto = what linear_forward picks by default
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def bench_shape(in_f: int, out_f: int, bits: float, codebook: str, tokens_list, 
         x_pad = torch.nn.functional.pad(x.float(), (0, lins[0].in_padded - in_f))
         ref = rotate_output(rotate_input(x_pad, lins[0].suh) @ w_hat, lins[0].svh)[:, :out_f]
         flops = 2 * tokens * in_f * out_f
-        for path in ("gemm", "dequant"):
+        for path in PATHS:
             got = ops.linear_forward(x, lins[0], path=path)
             t = time_graph(lambda: [ops.linear_forward(x, lin, path=path) for lin in lins], calls=copies)
             rows.append(_row(in_f, out_f, bits, codebook, tokens, f"exl3 {path}", t, exl3_bytes, copy_tbs, flops,
@@ -149,13 +150,31 @@ def main(argv=None):
         for bits in (float(b) for b in args.bits.split(",")):
             rows += bench_shape(in_f, out_f, bits, args.codebook, [int(m) for m in args.tokens.split(",")],
                                 copy_tbs, props.L2_cache_size)
-            for r in rows[-3 * len(args.tokens.split(",")):]:
+            for r in rows[-(len(PATHS) + 1) * len(args.tokens.split(",")):]:
                 print(" | ".join(str(v) for v in asdict(r).values()), flush=True)
+    print(markdown_table(rows))
     if args.json:
         import json
 
         with open(args.json, "w") as f:
             json.dump({"gpu": props.name, "copy_tbs": copy_tbs, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """One line per (shape, K, M): the default path's median, its share of copy bandwidth, the other paths and
+    torch fp16 on the same shape, and the default path's error vs the fp32 reference."""
+    by_key: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        by_key.setdefault((r.shape, r.bits, r.codebook, r.tokens), {})[r.what] = r
+    lines = ["| shape | K | cb | M | auto us | % copy BW | TFLOP/s | gemm-unfused | gemm (fused) | dequant | "
+             "fp16 torch | auto vs fp16 | rel L2 |", "|" + "---|" * 13]
+    for (shape, bits, cb, tokens), r in by_key.items():
+        auto, fp16 = r["exl3 auto"], r["fp16 torch"]
+        lines.append(
+            f"| {shape} | {bits:g} | {cb} | {tokens} | {auto.median_us} | {auto.pct_copy_bw} | {auto.tflops} | "
+            f"{r['exl3 gemm-unfused'].median_us} | {r['exl3 gemm'].median_us} | {r['exl3 dequant'].median_us} | "
+            f"{fp16.median_us} | {fp16.median_us / auto.median_us:.2f}x | {auto.rel_l2:.1e} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

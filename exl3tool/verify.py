@@ -6,7 +6,8 @@ For every EXL3 linear of each requested layer (attention projections, MLP projec
 and for the layer's MLP or MoE block, the kernel output and the reference output are compared: relative L2,
 cosine, max abs error, pass/fail against ``Thresholds``. When an input file also holds ``<name>.output``
 (ExLlamaV3's recorded outputs of our fixtures), the kernel output is compared with that too, by the same bounds.
-Works on a source checkpoint and on a prepared folder.
+Works on a source checkpoint and on a prepared folder. torch (and the kernels) are imported only when a
+function runs, so the CLI starts fast for every other command.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from exl3tool.errors import UsageError, UnreadableInputError
+from exl3tool.errors import UnreadableInputError, UsageError
 from exl3tool.format import GatedMLP, Layer, LinearInfo, MoEBlock
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class VerifyReport:
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> Comparison:
+    import torch
+
     got, ref = got.double(), ref.double()
     diff = got - ref
     ref_norm = ref.norm().item()
@@ -180,6 +184,8 @@ class _Inputs:
                                  path=self.source, tensor=key)
 
     def get(self, name: str, width: int) -> tuple[torch.Tensor, str]:
+        import torch
+
         key = f"{name}.input"
         if key in self.file:
             return self.file[key].to(device=self.device, dtype=self.dtype), "file"
@@ -204,6 +210,8 @@ def verify(
     revision: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
+    import torch
+
     from exl3tool.ops import blocks as kernel_blocks
     from exl3tool.ops.linear import DeviceLinear, linear_forward
     from exl3tool.ops.runtime import require_gpu, target_arch
@@ -216,7 +224,7 @@ def verify(
     model, prepared = open_model(model_path, revision)
     try:
         layer_ids = parse_layers(layers, model)
-        inputs = _Inputs(file_tensors, tokens, seed, DTYPES[dtype], input_file)
+        inputs = _Inputs(file_tensors, tokens, seed, getattr(torch, dtype), input_file)
         inputs.validate(model)
         gpu = inputs.device = require_gpu(device)
         saved: dict[str, torch.Tensor] = {}

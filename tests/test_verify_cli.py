@@ -92,3 +92,13 @@ def test_recorded_fixture_inputs_pass_validation():
     result = run_cli("verify", model_dir("llama_mul1"), "--layer", "0",
                      "--input", outputs_dir("llama_mul1") / "exllamav3_outputs.safetensors")
     assert result.exit_code in (0, 2) and "usage error" not in result.stderr
+
+
+def test_the_cli_starts_without_importing_torch_or_the_dsl():
+    """verify/bench pull in torch and the CuTe DSL only when they run, so inspect and --help start fast."""
+    import subprocess
+    import sys
+
+    code = "import sys, exl3tool.cli.app; print(sorted(m for m in ('torch', 'cutlass') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
