@@ -1,6 +1,6 @@
-"""Compile-only kernel tests (no GPU needed): every kernel variant compiles for SM120 (and a spread for SM90 and
-SM80), its PTX drives the tensor cores with mma.sync, and no CTA asks for more than SM120's 99 KB of shared
-memory."""
+"""Compile-only kernel tests (no GPU needed): every kernel variant compiles for SM120 and SM90 (and a spread for
+SM80/SM89), its PTX drives the tensor cores with mma.sync, and no CTA asks for more than SM120's 99 KB of
+shared memory."""
 
 import pytest
 
@@ -19,12 +19,13 @@ def ptx_of(config, arch="sm_120a"):
     return compile_with_ptx(lambda options: launch.BUILDERS[type(config)](config, options), arch)
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("token_groups", [1, 8])
 @pytest.mark.parametrize("bits,codebook", CASES)
-def test_gemm_compiles_for_sm120_with_mma_sync(bits, codebook, token_groups):
+def test_gemm_compiles_with_mma_sync(bits, codebook, token_groups, arch):
     config = fitting_config(bits=bits, codebook=codebook, token_groups=token_groups)
-    ptx = ptx_of(config)
-    assert ".target sm_120a" in ptx
+    ptx = ptx_of(config, arch)
+    assert f".target {arch}" in ptx
     # One MMA per token group per decoded k-tile of a stage.
     assert ptx.count(MMA) >= token_groups * config.k_tiles_per_stage
     assert "cp.async.cg.shared.global" in ptx
@@ -42,16 +43,17 @@ def test_gemm_with_fused_output_rotation_compiles(bits, codebook, token_groups, 
     assert ptx.count("shfl.sync.bfly") >= 5 * 4 and config.smem_bytes <= SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 @pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (3.5, "mul1"), (8.0, "3inst")])
 def test_gemm_compiles_for_other_mma_sync_archs(bits, codebook, arch):
     ptx = ptx_of(GemmConfig(bits=bits, codebook=codebook, token_groups=2), arch)
     assert f".target {arch}" in ptx and MMA in ptx
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("bits,codebook", CASES)
-def test_dequantize_compiles(bits, codebook):
-    ptx = ptx_of(DequantConfig(bits, codebook))
+def test_dequantize_compiles(bits, codebook, arch):
+    ptx = ptx_of(DequantConfig(bits, codebook), arch)
     # The codebook's signature instruction is in the decode.
     marker = {"mul1": "dp4a.u32.u32", "mcg": "0xcbac1fed", "3inst": "mad.lo.u32"}[codebook]
     assert marker in ptx
