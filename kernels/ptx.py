@@ -22,6 +22,20 @@ def _asm_i32(operands, text, constraints, *, side_effects=False, loc=None, ip=No
     )
 
 
+def _asm_4(kind, values, text, constraints, *, side_effects, loc=None, ip=None):
+    """An instruction with four results of ``kind`` (Int32 or Float32), returned as a tuple."""
+    ir_type = T.i32() if kind is Int32 else T.f32()
+    name = "i32" if kind is Int32 else "f32"
+    struct = ir.Type.parse(f"!llvm.struct<({name}, {name}, {name}, {name})>")
+    res = llvm.inline_asm(struct, values, text, constraints, has_side_effects=side_effects, loc=loc, ip=ip)
+    return tuple(kind(llvm.extractvalue(ir_type, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+def _asm_void(values, text, constraints, *, loc=None, ip=None) -> None:
+    """A memory instruction with no result (always a side effect: it must stay where it is)."""
+    llvm.inline_asm(None, values, text, constraints, has_side_effects=True, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def shf_l(lo, hi, shift, *, loc=None, ip=None) -> Int32:
     """Upper 32 bits of ``(hi:lo) << min(shift, 32)``: a funnel shift that reads a 32-bit window of a
@@ -123,125 +137,65 @@ def hfma2_imm(a, mul: int, add: int, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def mma_m16n8k16_f16_f32(a, b, c, *, loc=None, ip=None):
     """``D = A @ B + C`` for one warp: A 16x16 fp16 (4 regs), B 16x8 fp16 (2 regs), C/D 16x8 fp32 (4 regs)."""
-    struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
     values = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
     values += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    res = llvm.inline_asm(
-        struct,
-        values,
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        has_side_effects=False,
-        loc=loc,
-        ip=ip,
-    )
-    f32 = T.f32()
-    return tuple(Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4))
+    text = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
+    return _asm_4(Float32, values, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effects=False, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
     """Asynchronous 16-byte global->shared copy; ``src_bytes`` < 16 zero-fills the rest (0 = all zeros)."""
-    llvm.inline_asm(
-        None,
-        [
-            Int32(smem_addr).ir_value(loc=loc, ip=ip),
-            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-            Int32(src_bytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        has_side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+              Int32(src_bytes).ir_value(loc=loc, ip=ip)]
+    _asm_void(values, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
 def st_shared_b32(smem_addr, value, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.shared.b32 [$0], $1;",
-        "r,r",
-        has_side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    _asm_void(values, "st.shared.b32 [$0], $1;", "r,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
 def ld_shared_v4(smem_addr, *, loc=None, ip=None):
     """Four 32-bit words from a 16-byte aligned shared address."""
-    struct = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
-    res = llvm.inline_asm(
-        struct,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
-        "=r,=r,=r,=r,r",
-        has_side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
-    i32 = T.i32()
-    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Int32, values, "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True,
+                  loc=loc, ip=ip)
 
 
 @dsl_user_op
 def st_global_v4(gmem_addr, words, *, loc=None, ip=None) -> None:
     """Store four 32-bit words to a 16-byte aligned global address."""
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words],
-        "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
-        "l,r,r,r,r",
-        has_side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+    _asm_void(values, "st.global.v4.b32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
 def ld_global_cg_v4_f16_as_f32(gmem_addr, *, loc=None, ip=None):
     """Four fp16 from an 8-byte aligned global address (L2 only, like ``ld_global_cg_v4_f32``), widened to fp32."""
-    struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
-    res = llvm.inline_asm(
-        struct,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+    text = (
         "{.reg .b16 h0, h1, h2, h3; ld.global.cg.v4.b16 {h0, h1, h2, h3}, [$4]; "
-        "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3;}",
-        "=f,=f,=f,=f,l",
-        has_side_effects=False,
-        loc=loc,
-        ip=ip,
+        "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3;}"
     )
-    f32 = T.f32()
-    return tuple(Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4))
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Float32, values, text, "=f,=f,=f,=f,l", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def ld_global_cg_v4_f32(gmem_addr, *, loc=None, ip=None):
     """Four fp32 from a 16-byte aligned global address, cached in L2 only: data other CTAs just wrote
     (after a fence) must not come from a stale L1 line."""
-    struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
-    res = llvm.inline_asm(
-        struct,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.cg.v4.f32 {$0,$1,$2,$3}, [$4];",
-        "=f,=f,=f,=f,l",
-        has_side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
-    f32 = T.f32()
-    return tuple(Float32(llvm.extractvalue(f32, res, [i], loc=loc, ip=ip)) for i in range(4))
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Float32, values, "ld.global.cg.v4.f32 {$0,$1,$2,$3}, [$4];", "=f,=f,=f,=f,l", side_effects=True,
+                  loc=loc, ip=ip)
 
 
 @dsl_user_op
 def fence_gpu(*, loc=None, ip=None) -> None:
     """Order this thread's global memory accesses before/after, device-wide (release + acquire)."""
-    llvm.inline_asm(None, [], "fence.acq_rel.gpu;", "", has_side_effects=True, loc=loc, ip=ip)
+    _asm_void([], "fence.acq_rel.gpu;", "", loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -252,15 +206,8 @@ def atomic_add_u32(gmem_addr, value, *, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.u32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        loc=loc,
-        ip=ip,
-    )
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    _asm_void(values, "st.global.u32 [$0], $1;", "l,r", loc=loc, ip=ip)
 
 
 def _asm_i32_addr(gmem_addr, value, text, *, loc=None, ip=None) -> Int32:
