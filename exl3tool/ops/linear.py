@@ -2,10 +2,11 @@
 
     DeviceLinear.from_tensors(tensors, device)   the weights in the layout the kernels read
     linear_forward(x, lin, out_dtype=None)        x [M, in_features] fp16/bf16 -> y [M, out_features]
-    rotate_input / trellis_gemm / rotate_output / dequantize_t   the stages, for tests and benchmarks
+    rotate_input / trellis_gemm / rotate_output / fused_gemm / dequantize_t   the stages, for tests and benchmarks
 
-Small M streams the trellis through the decode GEMM (split over K so every SM has work); from
-``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat once and letting torch's tensor-core GEMM multiply is faster.
+Small M streams the trellis through the decode GEMM (split over K so every SM has work), with the output
+rotation in its own kernel or fused into the GEMM's epilogue; from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat
+once and letting torch's tensor-core GEMM multiply is faster. The thresholds are H200 measurements.
 """
 
 from __future__ import annotations
@@ -130,15 +131,10 @@ def sm_count(device) -> int:
 
 
 def trellis_gemm(
-    xr: torch.Tensor,
-    lin: DeviceLinear,
-    plan: GemmPlan | None = None,
-    out: torch.Tensor | None = None,
-    tokens: int | None = None,
+    xr: torch.Tensor, lin: DeviceLinear, plan: GemmPlan | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """fp32 partial products ``[splits, M, out_p]`` of ``xr @ W_hat`` for the first ``tokens`` (default: all)
-    rows of xr (fp16 ``[rows, in_p]``)."""
-    tokens = xr.shape[0] if tokens is None else tokens
+    """fp32 partial products ``[splits, M, out_p]`` of ``xr @ W_hat`` (xr fp16 ``[M, in_p]``)."""
+    tokens = xr.shape[0]
     if plan is None:
         plan = plan_gemm(tokens, lin, sm_count(xr.device))
     fn = launch.compiled(plan.config, target_arch(xr.device))
