@@ -46,9 +46,6 @@ def shr_imm(x, shift):
     return _u32(_u64(x) >> np.uint64(shift))
 
 
-def bfe16(x, pos):
-    return _u32((_u64(x) >> np.uint64(pos)) & np.uint64(0xFFFF))
-
 
 def mul_lo_imm(x, factor):
     return _u32(_u64(x) * np.uint64(factor & 0xFFFFFFFF))
@@ -94,11 +91,6 @@ def _pack(lo, hi):
     hi16 = np.asarray(hi).astype(np.float16).view(np.uint16).astype(np.uint32)
     return lo16 | (hi16 << np.uint32(16))
 
-
-def hadd2(a, b):
-    alo, ahi = _halves(a)
-    blo, bhi = _halves(b)
-    return _pack(alo + blo, ahi + bhi)
 
 
 def hfma2_imm(a, mul, add):

@@ -76,11 +76,6 @@ def half_sums(a, b, *, loc=None, ip=None) -> Int32:
     return _asm_i32([a, b], text, "=r,r,r", loc=loc, ip=ip)
 
 
-@dsl_user_op
-def bfe16(x, pos: int, *, loc=None, ip=None) -> Int32:
-    """Bits ``[pos, pos+16)`` of ``x`` (LSB-numbered), zero-extended."""
-    return _asm_i32([x], f"bfe.u32 $0, $1, {pos}, 16;", "=r,r", loc=loc, ip=ip)
-
 
 @dsl_user_op
 def mul_lo_imm(x, factor: int, *, loc=None, ip=None) -> Int32:
@@ -119,10 +114,6 @@ def dp4a_bytesum(x, base: int, *, loc=None, ip=None) -> Int32:
     )
     return _asm_i32([x], text, "=r,r", loc=loc, ip=ip)
 
-
-@dsl_user_op
-def hadd2(a, b, *, loc=None, ip=None) -> Int32:
-    return _asm_i32([a, b], "add.rn.f16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
