@@ -27,11 +27,13 @@ _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "mixtra
 _SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "kimi_k2"}
 
 
-def read_json(path: Path, display_name: str) -> dict:
+def read_json(path: Path, display_name: str,
+              missing: str = "missing: an EXL3 checkpoint folder has a config.json") -> dict:
+    """A JSON object from `path`, or UnreadableInputError (one line naming `display_name`) for any way it is not."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UnreadableInputError("missing: an EXL3 checkpoint folder has a config.json", path=display_name) from None
+        raise UnreadableInputError(missing, path=display_name) from None
     except OSError as e:
         raise UnreadableInputError(f"cannot read: {e.strerror or e}", path=display_name) from None
     except (UnicodeDecodeError, ValueError) as e:

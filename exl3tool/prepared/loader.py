@@ -33,6 +33,7 @@ from exl3tool.format import (
     PAD, TILE, Attention, Block, CheckpointModel, Codebook, FileInfo, GatedMLP, Layer, LinearInfo, LinearTensors,
     MoEBlock, Routing, TensorInfo, format_bits, padded, words_from_bits,
 )
+from exl3tool.io.config import read_json
 from exl3tool.io.safetensors import DTYPE_SIZES, SafetensorsHeader, read_header
 from exl3tool.prepared.layout import (
     GROUP_BIAS_FIELDS, GROUP_FIELDS, HASH, LAYOUT_VERSION, MANIFEST, SCHEMA, SHARD_RE, STATE_DIR, UNIT_RE,
@@ -153,8 +154,6 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _read_manifest(root: Path) -> dict:
-    import json
-
     path = root / MANIFEST
     if not path.is_file():
         if (root / STATE_DIR).is_dir():
@@ -162,14 +161,7 @@ def _read_manifest(root: Path) -> dict:
                                        "the same `exl3tool prepare` again to complete it", path=str(root))
         raise UnreadableInputError("not a prepared folder: no manifest.json (write one with exl3tool prepare)",
                                    path=str(root))
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UnreadableInputError(f"cannot read: {e.strerror or e}", path=MANIFEST) from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise UnreadableInputError(f"malformed JSON: {e}", path=MANIFEST) from None
-    if not isinstance(data, dict):
-        raise UnreadableInputError("malformed: not a JSON object", path=MANIFEST)
+    data = read_json(path, MANIFEST, missing="not a prepared folder: no manifest.json")
     version = data.get("layout_version")
     if type(version) is int and version > LAYOUT_VERSION:
         raise UnsupportedFeatureError(f"prepared layout version {version} is newer than this exl3tool reads "
