@@ -152,6 +152,11 @@ def decode_lane(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
     return states_to_half2(codebook, lane_states(plan, words, shift, ops), ops, consts)
 
 
+def mmas_per_tile(codebook: str) -> int:
+    """Tensor-core instructions a decoded 16x16 tile feeds per 8 tokens."""
+    return 1
+
+
 def mma_a_fragment(pairs):
     """The lane's pairs in the A-operand order of ``mma.m16n8k16`` with A = W_hat^T (rows = output columns).
 

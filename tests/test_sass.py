@@ -1,0 +1,59 @@
+"""exl3tool.sass on real compiled kernels (compile-only tier: no GPU, needs nvdisasm from the sass extra)."""
+
+import pytest
+
+from exl3tool import sass
+from exl3tool.kernels.gemm import fitting_config
+from exl3tool.kernels.trellis import mmas_per_tile
+
+# sm_120a main loop of the M <= 8 decode GEMM, SASS instructions per decoded weight. A regression past these fails.
+MAX_PER_WEIGHT = {2.0: 7.0, 4.0: 7.5, 6.0: 8.5}
+
+
+@pytest.fixture(scope="module")
+def k4_mcg():
+    cfg = fitting_config(bits=4.0, codebook="mcg", token_groups=1)
+    return cfg, sass.gemm_report(cfg, "sm_120a")
+
+
+def test_pipe_table():
+    assert sass.pipe_of("IMAD.SHL.U32") == "fma" and sass.pipe_of("HADD2.F32") == "fma"
+    assert sass.pipe_of("LOP3.LUT") == "alu" and sass.pipe_of("PRMT") == "alu" and sass.pipe_of("SHF.L.W.U32.HI") == "alu"
+    assert sass.pipe_of("HMMA.16816.F32") == "tensor" and sass.pipe_of("LDS.128") == "memory"
+    assert sass.pipe_of("BAR.SYNC.DEFER_BLOCKING") == "other" and sass.pipe_of("UIADD3") == "other"
+
+
+def test_k4_mcg_gemm_main_loop(k4_mcg):
+    cfg, k = k4_mcg
+    loop = k.main_loop
+    # Every decoded tile of the loop feeds its MMAs; nothing else is a tensor-core instruction.
+    assert loop.mmas == cfg.k_tiles_per_stage * cfg.token_groups * mmas_per_tile(cfg.codebook)
+    assert loop.by_opcode["HMMA"] == loop.mmas
+    assert loop.by_opcode["BAR"] >= 1 and loop.instructions[-1].root == "BRA"  # the chunk loop, barrier included
+    assert sum(loop.by_pipe.values()) == len(loop.instructions)
+    assert k.loop_weights == 8 * loop.mmas / (cfg.token_groups * mmas_per_tile(cfg.codebook))
+    assert 3.0 < k.per_weight <= MAX_PER_WEIGHT[4.0]
+    assert k.per_weight_by_pipe["alu"] > 0.5 and k.per_weight_by_pipe["fma"] > 0.5
+
+
+def test_k4_mcg_gemm_resources(k4_mcg):
+    cfg, k = k4_mcg
+    assert 16 <= k.registers <= 96
+    assert k.frame_bytes == 0 and k.spill_instructions == 0
+    assert k.smem_per_cta_bytes == k.static_smem_bytes + cfg.smem_bytes <= 99 * 1024
+
+
+@pytest.mark.parametrize("bits", [2.0, 6.0])
+@pytest.mark.parametrize("codebook", ["3inst", "mul1"])
+def test_other_rates_and_codebooks_stay_bounded(bits, codebook):
+    k = sass.gemm_report(fitting_config(bits=bits, codebook=codebook, token_groups=1), "sm_120a")
+    assert k.spill_instructions == 0 and k.per_weight <= MAX_PER_WEIGHT[bits] + 0.5  # mul1 / 3inst: 0.5 more
+
+
+def test_missing_nvdisasm_names_the_extra(monkeypatch):
+    import nvidia
+
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr(nvidia, "__path__", [])
+    with pytest.raises(sass.SassToolError, match=r"exl3tool\[sass\]"):
+        sass.nvdisasm_path()
