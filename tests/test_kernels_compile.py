@@ -1,25 +1,31 @@
-"""Compile-only kernel tests (no GPU needed): every kernel variant compiles for SM120 and SM90 (and a spread for
-SM80/SM89), its PTX drives the tensor cores with mma.sync, and no CTA asks for more than SM120's 99 KB of
-shared memory."""
+"""Compile-only kernel tests (no GPU needed, marker `compile`): every kernel variant that can exist compiles once
+for SM120 and SM90 (and a spread for SM80/SM89), and its PTX drives the tensor cores with mma.sync. (The 99 KB
+shared-memory bound is the config constructor's to enforce: see test_configs_refuse_what_the_kernel_cannot_do.)"""
 
 import pytest
 
 from exl3tool.kernels.dequant import DequantConfig
-from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, fitting_config
+from exl3tool.format import HALF_RATE_WORDS, Codebook
+from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import launch
 from exl3tool.ops.runtime import compile_with_ptx
 
+pytestmark = pytest.mark.compile
+
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-CASES = [(bits, cb) for bits in SUPPORTED_BITS for cb in CODEBOOKS]
+ARCHS = ["sm_120a", "sm_90a"]
+# Half rates (1.5/2.5/3.5) exist for the mul1 codebook only (the `half-rate-codebook` check): no kernel for the rest.
+CASES = [(bits, cb) for bits in SUPPORTED_BITS for cb in CODEBOOKS
+         if bits not in HALF_RATE_WORDS.values() or cb == Codebook.MUL1.value]
 
 
 def ptx_of(config, arch="sm_120a"):
     return compile_with_ptx(lambda options: launch.BUILDERS[type(config)](config, options), arch)
 
 
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("token_groups", [1, 8])
 @pytest.mark.parametrize("bits,codebook", CASES)
 def test_gemm_compiles_with_mma_sync(bits, codebook, token_groups, arch):
@@ -29,7 +35,6 @@ def test_gemm_compiles_with_mma_sync(bits, codebook, token_groups, arch):
     # One MMA per token group per decoded k-tile of a stage.
     assert ptx.count(MMA) >= token_groups * config.k_tiles_per_stage
     assert "cp.async.cg.shared.global" in ptx
-    assert config.smem_bytes <= SMEM_LIMIT_BYTES
 
 
 @pytest.mark.parametrize("output", ["float16", "bfloat16", "float32"])
@@ -40,7 +45,7 @@ def test_gemm_with_fused_output_rotation_compiles(bits, codebook, token_groups, 
     assert MMA in ptx
     # The last CTA of a block is found with a device-scope fence + atomic, and reads partials from L2.
     assert "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx and "ld.global.cg.v4.f32" in ptx
-    assert ptx.count("shfl.sync.bfly") >= 5 * 4 and config.smem_bytes <= SMEM_LIMIT_BYTES
+    assert ptx.count("shfl.sync.bfly") >= 5 * 4
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
@@ -50,7 +55,7 @@ def test_gemm_compiles_for_other_mma_sync_archs(bits, codebook, arch):
     assert f".target {arch}" in ptx and MMA in ptx
 
 
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("bits,codebook", CASES)
 def test_dequantize_compiles(bits, codebook, arch):
     ptx = ptx_of(DequantConfig(bits, codebook), arch)
