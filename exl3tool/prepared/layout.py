@@ -6,6 +6,7 @@ anything a reader sees (tensor names, shapes, manifest keys) is a new LAYOUT_VER
     LAYOUT_VERSION, SCHEMA, MANIFEST, STATE_DIR       the constants
     layer_unit(i) / GLOBALS / shard_name(unit, part)  file names;  SHARD_RE matches every shard we write
     group_tensor(block, g, field)                     names of the stacked MoE tensors
+    group_shapes(...) / stack_order(field, experts)   their shapes and which expert tensors they stack
     config_to_json / config_from_json                 ModelConfig <-> JSON
     linear_entry(info, role, storage)                 one EXL3 linear's manifest entry
     manifest_digest(manifest)                         the manifest's own content hash
@@ -18,7 +19,7 @@ import json
 import re
 from dataclasses import asdict
 
-from exl3tool.format import Codebook, LinearInfo, ModelConfig, ModelDims, QuantConfig, Routing
+from exl3tool.format import TILE, Codebook, LinearInfo, ModelConfig, ModelDims, QuantConfig, Routing, words_from_bits
 
 LAYOUT_VERSION = 1
 SCHEMA = "exl3tool.prepared/1"  # manifest.json
@@ -42,6 +43,45 @@ HASH = "sha256"
 #   down_svh F16 [E, H_p];  w13_bias F16 [2, E, I_p] and w2_bias F16 [E, H_p] only when the experts have biases
 GROUP_FIELDS = ("w13", "w2", "gate_suh", "up_suh", "intermediate_rotations", "down_svh")
 GROUP_BIAS_FIELDS = ("w13_bias", "w2_bias")
+# How each field stacks the experts' own tensors: (plane_major, (role, leaf) parts). Plane-major fields hold
+# every expert's first part, then every expert's second (w13: all gates, then all ups); the others hold each
+# expert's parts back to back (intermediate_rotations: gate svh | up svh | down suh of expert 0, then 1, ...).
+GROUP_STACKS = {
+    "w13": (True, (("gate", "trellis"), ("up", "trellis"))),
+    "w2": (True, (("down", "trellis"),)),
+    "gate_suh": (True, (("gate", "suh"),)),
+    "up_suh": (True, (("up", "suh"),)),
+    "intermediate_rotations": (False, (("gate", "svh"), ("up", "svh"), ("down", "suh"))),
+    "down_svh": (True, (("down", "svh"),)),
+    "w13_bias": (True, (("gate", "bias"), ("up", "bias"))),
+    "w2_bias": (True, (("down", "bias"),)),
+}
+
+
+def group_shapes(n: int, hidden_padded: int, intermediate_padded: int, w13_bits: float, w2_bits: float,
+                 w13_bias: bool = False, w2_bias: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """field -> (dtype, shape) of the stacked tensors of a group of `n` experts: the one definition prepare,
+    the loader, the in-memory stacking of a source checkpoint and the fused MoE kernel all read."""
+    h_p, i_p = hidden_padded, intermediate_padded
+    shapes = {
+        "w13": ("I16", (2, n, h_p // TILE, i_p // TILE, words_from_bits(w13_bits))),
+        "w2": ("I16", (n, i_p // TILE, h_p // TILE, words_from_bits(w2_bits))),
+        "gate_suh": ("F16", (n, h_p)), "up_suh": ("F16", (n, h_p)),
+        "intermediate_rotations": ("F16", (n, 3 * i_p)), "down_svh": ("F16", (n, h_p)),
+    }
+    if w13_bias:
+        shapes["w13_bias"] = ("F16", (2, n, i_p))
+    if w2_bias:
+        shapes["w2_bias"] = ("F16", (n, h_p))
+    return shapes
+
+
+def stack_order(field: str, experts: list) -> list[tuple[int, str, str]]:
+    """(position in the group, role, leaf) of every part of stacked `field`, in storage order."""
+    plane_major, parts = GROUP_STACKS[field]
+    if plane_major:
+        return [(p, role, leaf) for role, leaf in parts for p in range(len(experts))]
+    return [(p, role, leaf) for p in range(len(experts)) for role, leaf in parts]
 
 
 def layer_unit(index: int) -> str:

@@ -6,139 +6,45 @@ changed by one byte is reported, never decoded. Shards are memory-mapped copy-on
 zero-copy views of the page cache and moving one to a GPU is its only copy; nothing moves before it is asked
 for (per linear, per layer).
 
-    PreparedCheckpoint   the read interface of exl3tool.checkpoint.Checkpoint (model, layers, linears, blocks,
-                         layer/linear/block, load_tensor, load_linear, dequantize, reference_forward, check,
-                         close) plus moe(layer_index, device=None) -> PreparedMoE
-    PreparedMoE          one MoE layer ready for a fused kernel: router, expert groups, shared experts
-    PreparedExpertGroup  experts sharing K and codebook: w13, w2, suh/svh tables (views of the shards)
+    PreparedCheckpoint   an exl3tool.reader.CheckpointReader, like a source Checkpoint (model, layers, linears,
+                         blocks, layer/linear/block, load_tensor, load_linear, moe, dequantize,
+                         reference_forward, check, close); moe(layer) gives views of the stored stacks
+    PreparedMoE / PreparedExpertGroup   = exl3tool.reader.MoELayer / ExpertGroup
 """
 
 from __future__ import annotations
 
 import hashlib
 import mmap
-from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from exl3tool import reference
 from exl3tool.checkpoint import TORCH_DTYPES
 from exl3tool.errors import (
     NotFoundError, Problem, ProblemKind, UnreadableInputError, UnsupportedFeatureError, UsageError,
 )
 from exl3tool.format import (
-    PAD, TILE, Attention, Block, CheckpointModel, Codebook, FileInfo, GatedMLP, Layer, LinearInfo, LinearTensors,
-    MoEBlock, Routing, TensorInfo, format_bits, padded, words_from_bits,
+    PAD, TILE, Attention, CheckpointModel, Codebook, FileInfo, GatedMLP, Layer, LinearInfo, LinearTensors,
+    MoEBlock, TensorInfo, padded, words_from_bits,
 )
 from exl3tool.io.config import read_json
 from exl3tool.io.safetensors import DTYPE_SIZES, SafetensorsHeader, read_header
 from exl3tool.prepared.layout import (
     GROUP_BIAS_FIELDS, GROUP_FIELDS, HASH, LAYOUT_VERSION, MANIFEST, SCHEMA, SHARD_RE, STATE_DIR, UNIT_RE,
-    config_from_json, linear_from_entry, manifest_digest, routing_from_json,
+    config_from_json, group_shapes, linear_from_entry, manifest_digest, routing_from_json,
 )
+
+from exl3tool.reader import CheckpointReader, ExpertGroup, MoELayer
 
 VerifyMode = bool | Literal["lazy"]
 
 
-# --- what moe() returns --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PreparedExpertGroup:
-    """Experts of one MoE layer that share K, codebook and dims, stacked (E = len(experts)):
-    w13 I16 [2, E, H_p/16, I_p/16, 16*K13] (gate plane, then up), w2 I16 [E, I_p/16, H_p/16, 16*K2],
-    gate_suh / up_suh F16 [E, H_p], intermediate_rotations F16 [E, 3*I_p] (gate_svh | up_svh | down_suh),
-    down_svh F16 [E, H_p], optional w13_bias F16 [2, E, I_p] and w2_bias F16 [E, H_p].
-    Row p of every tensor belongs to expert `experts[p]`."""
-
-    experts: tuple[int, ...]
-    w13_bits: float
-    w13_codebook: Codebook
-    w2_bits: float
-    w2_codebook: Codebook
-    hidden: int
-    hidden_padded: int
-    intermediate: int
-    intermediate_padded: int
-    w13: torch.Tensor
-    w2: torch.Tensor
-    gate_suh: torch.Tensor
-    up_suh: torch.Tensor
-    intermediate_rotations: torch.Tensor
-    down_svh: torch.Tensor
-    w13_bias: torch.Tensor | None = None
-    w2_bias: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class PreparedMoE:
-    """One MoE layer in the prepared layout. `router` [E, hidden] keeps its stored dtype (fp16 in EXL3);
-    `shared` holds the shared experts as dense linears. With one expert group (every expert at the same K and
-    codebook, the usual case) `w13`, `w2`, ... `bits`, `codebook` give that group's values directly."""
-
-    name: str
-    layer: int
-    block: MoEBlock
-    routing: Routing
-    num_experts: int
-    hidden: int
-    hidden_padded: int
-    intermediate: int
-    intermediate_padded: int
-    router: torch.Tensor
-    groups: tuple[PreparedExpertGroup, ...]
-    shared: reference.GatedMLPTensors | None = None
-    shared_gate: torch.Tensor | None = None  # [1, hidden]: sigmoid(x @ g.T) scales the shared output
-    correction_bias: torch.Tensor | None = None  # [E]: DeepSeek-V3 e_score_correction_bias
-
-    @property
-    def single_group(self) -> PreparedExpertGroup:
-        if len(self.groups) != 1:
-            parts = "; ".join(f"experts {_ids(g.experts)}: K={format_bits(g.w13_bits)}/{format_bits(g.w2_bits)} "
-                              f"{g.w13_codebook.value}/{g.w2_codebook.value}" for g in self.groups)
-            raise UnsupportedFeatureError(f"{len(self.groups)} expert groups of different K or codebook ({parts}): "
-                                          "use .groups", tensor=self.name)
-        return self.groups[0]
-
-    w13 = property(lambda self: self.single_group.w13)
-    w2 = property(lambda self: self.single_group.w2)
-    gate_suh = property(lambda self: self.single_group.gate_suh)
-    up_suh = property(lambda self: self.single_group.up_suh)
-    intermediate_rotations = property(lambda self: self.single_group.intermediate_rotations)
-    down_svh = property(lambda self: self.single_group.down_svh)
-
-    @property
-    def bits(self) -> float:
-        """K of every routed expert linear; UnsupportedFeatureError when they differ (see `groups`)."""
-        g = self.single_group
-        if g.w13_bits != g.w2_bits:
-            raise UnsupportedFeatureError(f"gate/up are K={format_bits(g.w13_bits)}, down K={format_bits(g.w2_bits)}:"
-                                          " use .groups[0].w13_bits / .w2_bits", tensor=self.name)
-        return g.w13_bits
-
-    @property
-    def codebook(self) -> Codebook:
-        g = self.single_group
-        if g.w13_codebook is not g.w2_codebook:
-            raise UnsupportedFeatureError(f"gate/up use {g.w13_codebook.value}, down {g.w2_codebook.value}: use "
-                                          ".groups[0].w13_codebook / .w2_codebook", tensor=self.name)
-        return g.w13_codebook
-
-    def locate(self, expert: int) -> tuple[PreparedExpertGroup, int]:
-        """(group, row in the group's stacked tensors) of an expert id."""
-        for g in self.groups:
-            if expert in g.experts:
-                return g, g.experts.index(expert)
-        raise NotFoundError(f"no expert {expert} (experts 0..{self.num_experts - 1})", tensor=self.name)
-
-
-def _ids(ids) -> str:
-    ids = list(ids)
-    return f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2 else \
-        ",".join(map(str, ids))
+# What moe() returns is shared with source checkpoints (exl3tool.reader); the old names stay.
+PreparedExpertGroup = ExpertGroup
+PreparedMoE = MoELayer
 
 
 # --- the manifest --------------------------------------------------------------------------------------------
@@ -214,13 +120,9 @@ def _check_linear(entry: dict, tensors: dict) -> None:
 
 def _check_group(group: dict, block: dict, linears: dict, tensors: dict) -> None:
     ids = group["experts"]
-    n, h_p, i_p = len(ids), group["hidden_padded"], group["intermediate_padded"]
     w13, w2 = group["w13"], group["w2"]
-    k13, k2 = words_from_bits(float(w13["bits"])), words_from_bits(float(w2["bits"]))
-    expected = {"w13": ("I16", (2, n, h_p // TILE, i_p // TILE, k13)), "w2": ("I16", (n, i_p // TILE, h_p // TILE, k2)),
-                "gate_suh": ("F16", (n, h_p)), "up_suh": ("F16", (n, h_p)),
-                "intermediate_rotations": ("F16", (n, 3 * i_p)), "down_svh": ("F16", (n, h_p)),
-                "w13_bias": ("F16", (2, n, i_p)), "w2_bias": ("F16", (n, h_p))}
+    expected = group_shapes(len(ids), group["hidden_padded"], group["intermediate_padded"], float(w13["bits"]),
+                            float(w2["bits"]), True, True)
     _require(set(GROUP_FIELDS) <= set(group["tensors"]) <= set(GROUP_FIELDS + GROUP_BIAS_FIELDS),
              f"group tensors {sorted(group['tensors'])}")
     for field, name in group["tensors"].items():
@@ -278,7 +180,7 @@ def load_prepared(path: str | Path, device: str | torch.device = "cpu",
     return PreparedCheckpoint(path, device, verify_hashes)
 
 
-class PreparedCheckpoint:
+class PreparedCheckpoint(CheckpointReader):
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", verify_hashes: VerifyMode = True):
         if verify_hashes not in (True, False, "lazy"):
             raise UsageError(f"verify_hashes must be True, False or 'lazy', got {verify_hashes!r}")
@@ -310,11 +212,6 @@ class PreparedCheckpoint:
 
     # --- structure (as Checkpoint) -----------------------------------------------------------------------
 
-    config = property(lambda self: self.model.config)
-    layers = property(lambda self: self.model.layers)
-    linears = property(lambda self: self.model.linears)
-    blocks = property(lambda self: self.model.blocks)
-    head = property(lambda self: self.model.head)
     layout_version = property(lambda self: self.manifest["layout_version"])
     fingerprint = property(lambda self: self.manifest["source"]["fingerprint"])
 
@@ -333,23 +230,8 @@ class PreparedCheckpoint:
                 found.append(Problem("file-hash", e.message, name, kind=ProblemKind.UNREADABLE))
         return found
 
-    def linear(self, name: str) -> LinearInfo:
-        if name not in self.linears:
-            raise NotFoundError("no EXL3 linear of that name in the prepared checkpoint", path=self.source, tensor=name)
-        return self.linears[name]
-
-    def block(self, name: str) -> Block:
-        if name not in self.blocks:
-            raise NotFoundError("no MLP or MoE block of that name in the prepared checkpoint", path=self.source,
-                                tensor=name)
-        return self.blocks[name]
-
-    def layer(self, index: int) -> Layer:
-        for layer in self.layers:
-            if layer.index == index:
-                return layer
-        span = f"{self.layers[0].index}..{self.layers[-1].index}" if self.layers else "none"
-        raise NotFoundError(f"no layer {index}; the prepared layers are {span}")
+    def _missing(self, name: str, what: str):
+        raise NotFoundError(f"no {what} of that name in the prepared checkpoint", path=self.source, tensor=name)
 
     def _tinfo(self, ref: dict) -> TensorInfo:
         dtype, shape = _view_shape(ref, self._tensors)
@@ -504,59 +386,14 @@ class PreparedCheckpoint:
         device = self._device(device)
         return tensors if device.type == "cpu" else tensors.to(device)
 
-    def moe(self, layer_index: int, device=None) -> PreparedMoE:
-        """The stacked MoE tensors of decoder layer `layer_index`, on `device`."""
-        layer = self.layer(layer_index)
-        if not isinstance(layer.mlp, MoEBlock):
-            raise NotFoundError(f"layer {layer_index} has no MoE block", path=self.source)
-        s = self._structures[layer_index]["mlp"]
-        device = self._device(device)
-        load = lambda n: None if n is None else self.load_tensor(n, device)  # noqa: E731
-        groups = []
-        for g in s["groups"]:
-            t = {field: load(name) for field, name in g["tensors"].items()}
-            groups.append(PreparedExpertGroup(
-                tuple(g["experts"]), float(g["w13"]["bits"]), Codebook(g["w13"]["codebook"]), float(g["w2"]["bits"]),
-                Codebook(g["w2"]["codebook"]), g["hidden"], g["hidden_padded"], g["intermediate"],
-                g["intermediate_padded"], **t))
-        block = layer.mlp
-        first = groups[0]
-        return PreparedMoE(
-            block.name, layer_index, block, block.routing, len(block.experts), first.hidden, first.hidden_padded,
-            first.intermediate, first.intermediate_padded, load(s["router"]), tuple(groups),
-            None if block.shared_experts is None else self._mlp_tensors(block.shared_experts, device),
-            load(s["shared_expert_gate"]), load(s["correction_bias"]))
-
-    def _mlp_tensors(self, mlp: GatedMLP, device) -> reference.GatedMLPTensors:
-        gate, up, down = (self.load_linear(lin.name, device) for lin in mlp.linears)
-        return reference.GatedMLPTensors(gate, up, down, mlp.activation)
-
-    # --- reference (as Checkpoint) ----------------------------------------------------------------------
-
-    def dequantize(self, module_name: str, device=None) -> torch.Tensor:
-        """fp32 weight of an EXL3 linear in HF orientation [out_features, in_features]."""
-        return reference.dequantize(self.load_linear(module_name, device))
-
-    def reference_forward(self, name: str, x: torch.Tensor, device=None) -> torch.Tensor:
-        """fp32 output of the EXL3 linear or block `name` for x [M, in]: the same computation, on the same
-        bits, as Checkpoint.reference_forward. Runs on `device` (default: x's device)."""
-        device = x.device if device is None else torch.device(device)
-        x = x.to(device)
-        if name in self.linears:
-            info = self.linears[name]
-            _check_input(x, info.in_features, name)
-            return reference.linear_forward(x, self.load_linear(name, device))
-        block = self.block(name)
-        if isinstance(block, GatedMLP):
-            _check_input(x, block.gate.in_features, name)
-            return reference.gated_mlp_forward(x, self._mlp_tensors(block, device))
-        router = self.load_tensor(block.router.name, device)
-        _check_input(x, router.shape[1], name)
-        optional = lambda t: None if t is None else self.load_tensor(t.name, device)  # noqa: E731
-        return reference.moe_forward(
-            x, router, block.routing, lambda e: self._mlp_tensors(block.experts[e], device),
-            shared=None if block.shared_experts is None else self._mlp_tensors(block.shared_experts, device),
-            shared_gate=optional(block.shared_expert_gate), correction_bias=optional(block.correction_bias))
+    def _group_tensors(self, block: MoEBlock, g: int, ids: list[int], device) -> dict[str, torch.Tensor]:
+        """Views of the stored stacks (zero-copy on CPU: moving them to a GPU is their only copy)."""
+        mlp = next(s["mlp"] for s in self._structures.values() if s["mlp"] and s["mlp"]["name"] == block.name)
+        entry = mlp["groups"][g]
+        if list(entry["experts"]) != list(ids):
+            raise UnreadableInputError(f"inconsistent: {block.name} group {g} holds experts {entry['experts']}, "
+                                       f"its K/codebook say {ids}", path=MANIFEST)
+        return {field: self.load_tensor(name, device) for field, name in entry["tensors"].items()}
 
     # --- lifetime -------------------------------------------------------------------------------------
 
@@ -575,10 +412,6 @@ class PreparedCheckpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _check_input(x: torch.Tensor, width: int, name: str) -> None:
-    if x.dim() != 2 or x.shape[1] != width or not x.is_floating_point():
-        raise UsageError(f"input must be a float tensor [M, {width}], got {x.dtype} {list(x.shape)}", tensor=name)
 
 
 __all__ = ["PreparedCheckpoint", "PreparedExpertGroup", "PreparedMoE", "load_prepared"]

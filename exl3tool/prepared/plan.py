@@ -4,6 +4,7 @@
     parse_layers(text, last=None) -> list[int]      "0-3,7,10-" (inclusive ranges; "10-" runs to `last`)
     select_layers(model, layers) -> list[int] | None
     plan_units(model, layers) -> list[Unit]
+    expert_groups(block) -> list[list[int]]         MoE experts grouped by (K, codebook, bias, dims)
 
 Every output tensor is a concatenation of whole source tensors (legacy packed su/sv expanded to fp16 +-1):
 stacking experts never re-tiles or converts a bit, so a prepared weight decodes exactly like its source.
@@ -19,7 +20,7 @@ from exl3tool.errors import NotFoundError, UnsupportedFeatureError, UsageError
 from exl3tool.format import TILE, CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo, format_bits
 from exl3tool.io.safetensors import DTYPE_SIZES
 from exl3tool.prepared.layout import (
-    GLOBALS, group_tensor, layer_unit, linear_entry, routing_to_json,
+    GLOBALS, group_shapes, group_tensor, layer_unit, linear_entry, routing_to_json, stack_order,
 )
 
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.")
@@ -146,10 +147,7 @@ class _Planner:
                 "up": self.dense(mlp.up, role), "down": self.dense(mlp.down, role), "activation": mlp.activation}
 
     def moe(self, block: MoEBlock) -> dict:
-        groups: dict[tuple, list[int]] = {}
-        for e, expert in enumerate(block.experts):
-            groups.setdefault(_group_key(block, e, expert), []).append(e)
-        entries = [self.group(block, g, ids) for g, ids in enumerate(sorted(groups.values()))]
+        entries = [self.group(block, g, ids) for g, ids in enumerate(expert_groups(block))]
         experts = []
         for expert in block.experts:
             experts.append({"name": expert.name, "gate": expert.gate.name, "up": expert.up.name,
@@ -167,22 +165,11 @@ class _Planner:
         first = experts[0]
         n, h_p, i_p = len(ids), first.gate.in_padded, first.gate.out_padded
         name = lambda f: group_tensor(block.name, g, f)  # noqa: E731
-        self.add(name("w13"), "I16", (2, n, h_p // TILE, i_p // TILE, first.gate.trellis_words),
-                 [_piece(x.gate, "trellis") for x in experts] + [_piece(x.up, "trellis") for x in experts])
-        self.add(name("w2"), "I16", (n, i_p // TILE, h_p // TILE, first.down.trellis_words),
-                 [_piece(x.down, "trellis") for x in experts])
-        self.add(name("gate_suh"), "F16", (n, h_p), [scale_piece(x.gate, "suh") for x in experts])
-        self.add(name("up_suh"), "F16", (n, h_p), [scale_piece(x.up, "suh") for x in experts])
-        self.add(name("intermediate_rotations"), "F16", (n, 3 * i_p),
-                 [p for x in experts for p in (scale_piece(x.gate, "svh"), scale_piece(x.up, "svh"),
-                                               scale_piece(x.down, "suh"))])
-        self.add(name("down_svh"), "F16", (n, h_p), [scale_piece(x.down, "svh") for x in experts])
         bias = first.gate.has_bias
-        if bias:
-            self.add(name("w13_bias"), "F16", (2, n, i_p),
-                     [_piece(x.gate, "bias") for x in experts] + [_piece(x.up, "bias") for x in experts])
-        if first.down.has_bias:
-            self.add(name("w2_bias"), "F16", (n, h_p), [_piece(x.down, "bias") for x in experts])
+        shapes = group_shapes(n, h_p, i_p, first.gate.bits, first.down.bits, bias, first.down.has_bias)
+        for f, (dtype, shape) in shapes.items():
+            self.add(name(f), dtype, shape,
+                     [_leaf_piece(getattr(experts[p], role), leaf) for p, role, leaf in stack_order(f, experts)])
         for p, x in enumerate(experts):
             views = {
                 "gate": ({"tensor": name("w13"), "index": [0, p]}, {"tensor": name("gate_suh"), "index": [p]},
@@ -201,11 +188,7 @@ class _Planner:
                 if info.has_bias:
                     storage["bias"] = bias_view
                 self.linears[info.name] = linear_entry(info, "expert", storage)
-        tensors = {f: name(f) for f in ("w13", "w2", "gate_suh", "up_suh", "intermediate_rotations", "down_svh")}
-        if bias:
-            tensors["w13_bias"] = name("w13_bias")
-        if first.down.has_bias:
-            tensors["w2_bias"] = name("w2_bias")
+        tensors = {f: name(f) for f in shapes}
         return {
             "experts": ids,
             "w13": {"bits": first.gate.bits, "codebook": first.gate.codebook.value},
@@ -230,6 +213,10 @@ def _piece(info: LinearInfo, leaf: str) -> Piece:
     return Piece(t.name, t.nbytes)
 
 
+def _leaf_piece(info: LinearInfo, leaf: str) -> Piece:
+    return scale_piece(info, leaf) if leaf in ("suh", "svh") else _piece(info, leaf)
+
+
 def scale_piece(info: LinearInfo, leaf: str) -> Piece:
     """suh/svh as fp16: stored, or expanded from legacy packed su/sv (16 signs per I16 word -> 32 bytes)."""
     if leaf in info.tensors:
@@ -240,6 +227,15 @@ def scale_piece(info: LinearInfo, leaf: str) -> Piece:
 
 def _describe(info: LinearInfo) -> str:
     return f"K={format_bits(info.bits)} {info.codebook.value}" + (" +bias" if info.has_bias else "")
+
+
+def expert_groups(block: MoEBlock) -> list[list[int]]:
+    """The experts of `block` split into groups that share K, codebook, bias and dims (one set of stacked
+    tensors each), in the order prepare numbers them; UnsupportedFeatureError for experts it cannot stack."""
+    groups: dict[tuple, list[int]] = {}
+    for e, expert in enumerate(block.experts):
+        groups.setdefault(_group_key(block, e, expert), []).append(e)
+    return sorted(groups.values())
 
 
 def _group_key(block: MoEBlock, e: int, expert: GatedMLP) -> tuple:
