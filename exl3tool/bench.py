@@ -74,8 +74,10 @@ def random_device_linear(in_features: int, out_features: int, bits: float, codeb
     words = torch.randint(-(2**31), 2**31 - 1, (in_p // 16, out_p // 16, int(8 * bits)), generator=g,
                           dtype=torch.int64, device="cuda").to(torch.int32)
     sign = lambda n: (torch.randint(0, 2, (n,), generator=g, device="cuda") * 2 - 1).half()  # noqa: E731
-    return ops.DeviceLinear("bench", in_features, out_features, in_p, out_p, bits, codebook, words,
-                            sign(in_p) * 0.01, sign(out_p) * 0.01)
+    from exl3tool.format import Codebook, LinearInfo
+
+    info = LinearInfo("bench", in_features, out_features, in_p, out_p, bits, Codebook(codebook), False, False)
+    return ops.DeviceLinear(info, words, sign(in_p) * 0.01, sign(out_p) * 0.01)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def bench_shape(in_f: int, out_f: int, bits: float, codebook: str, tokens_list, 
     rows = []
     for tokens in tokens_list:
         x = torch.randn(tokens, in_f, dtype=torch.float16, device="cuda")
-        x_pad = torch.nn.functional.pad(x.float(), (0, lins[0].in_padded - in_f))
+        x_pad = torch.nn.functional.pad(x.float(), (0, lins[0].info.in_padded - in_f))
         ref = rotate_output(rotate_input(x_pad, lins[0].suh) @ w_hat, lins[0].svh)[:, :out_f]
         flops = 2 * tokens * in_f * out_f
         for path in PATHS:

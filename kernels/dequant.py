@@ -37,13 +37,8 @@ class Dequantize:
         self.plan = TrellisPlan(config.bits)
 
     @cute.jit
-    def __call__(self, w_ptr: cute.Pointer, out_ptr: cute.Pointer, in_p: Int32, out_p: Int32, stream: cuda.CUstream):
-        words = self.plan.words_per_tile
-        mW = cute.make_tensor(
-            w_ptr,
-            cute.make_layout((in_p // 16, out_p // 16, words), stride=((out_p // 16) * words, words, 1)),
-        )
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((out_p, in_p // 2), stride=(Int64(in_p // 2), 1)))
+    def __call__(self, mW: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+        """mW int32 ``(in_p/16, out_p/16, 8K)``, mOut int32 ``(out_p, in_p/2)`` (fp16 pairs of W_hat^T rows)."""
         tiles = mW.shape[0] * mW.shape[1]  # a multiple of 64: both tile counts are multiples of 8
         self.kernel(mW, mOut).launch(grid=(tiles // WARPS, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
 

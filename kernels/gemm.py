@@ -12,8 +12,8 @@ to ``P[split, token, column]`` in fp32. Then either ``rotate.OutputRotation`` re
 128-column block; the last one to arrive (all splits of the block written) sums the partials in split order,
 rotates, scales by svh, adds the bias and writes y, then resets the counter to 0 for the next launch.
 
-Arguments are raw device pointers plus sizes (cheap to call, nothing to convert): X int32 ``[M, in_p/2]`` (fp16
-pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
+Arguments are tensors (``exl3tool.ops.launch`` passes torch tensors through TVM FFI): X int32 ``[M, in_p/2]``
+(fp16 pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
 ``[splits, M, out_p]``, all contiguous and 16-byte aligned.
 """
 
@@ -106,44 +106,31 @@ class TrellisGemm:
     @cute.jit
     def __call__(
         self,
-        x_ptr: cute.Pointer,
-        w_ptr: cute.Pointer,
-        p_ptr: cute.Pointer,
-        tokens: Int32,
-        in_p: Int32,
-        out_p: Int32,
-        splits: Int32,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mP: cute.Tensor,
         k_tiles_per_split: Int32,
-        svh_ptr: cute.Pointer,
-        bias_ptr: cute.Pointer,
-        y_ptr: cute.Pointer,
-        counter_ptr: cute.Pointer,
-        out_true: Int32,
-        y_row_stride: Int32,
+        mSvh,
+        mBias,
+        mY,
+        mCounter,
         stream: cuda.CUstream,
     ):
-        """Without ``output``, the svh/bias/y/counter arguments are ignored (pass any valid pointers)."""
-        words = self.plan.words_per_tile
-        mX = cute.make_tensor(x_ptr, cute.make_layout((tokens, in_p // 2), stride=(in_p // 2, 1)))
-        mW = cute.make_tensor(
-            w_ptr,
-            cute.make_layout((in_p // 16, out_p // 16, words), stride=((out_p // 16) * words, words, 1)),
-        )
-        mP = cute.make_tensor(
-            p_ptr, cute.make_layout((splits, tokens, out_p), stride=(Int64(tokens) * out_p, out_p, 1))
-        )
-        epilogue = (
-            cute.make_tensor(svh_ptr, cute.make_layout(out_p)),
-            cute.make_tensor(bias_ptr, cute.make_layout(out_p)),
-            cute.make_tensor(y_ptr, cute.make_layout((tokens, out_true), stride=(Int64(y_row_stride), 1))),
-            cute.make_tensor(counter_ptr, cute.make_layout(out_p // 128 * ((tokens + 7) // 8))),
-        )
+        """mX int32 ``(M, in_p/2)``, mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32 ``(splits, M, out_p)``.
+
+        The fused epilogue (``output`` set) also takes mSvh/mBias fp16 ``(out_p,)`` (mBias None without a bias),
+        mY ``(M, out_true)`` and mCounter int32 ``(ceil(M/tokens_per_cta) * out_p/128,)``; without it all four
+        are None."""
+        if cutlass.const_expr(self.cfg.output is None):
+            mSvh, mBias, mY, mCounter = mP, mP, mP, mP  # never touched: the epilogue is compiled out
+        elif cutlass.const_expr(mBias is None):
+            mBias = mSvh  # never read without a bias
         grid = (
             mW.shape[1] // self.cfg.warps,
-            (tokens + self.cfg.tokens_per_cta - 1) // self.cfg.tokens_per_cta,
+            (mX.shape[0] + self.cfg.tokens_per_cta - 1) // self.cfg.tokens_per_cta,
             mP.shape[0],
         )
-        self.kernel(mX, mW, mP, k_tiles_per_split, *epilogue).launch(
+        self.kernel(mX, mW, mP, k_tiles_per_split, mSvh, mBias, mY, mCounter).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream
         )
 

@@ -88,21 +88,9 @@ class InputRotation:
         self.cfg = config
 
     @cute.jit
-    def __call__(
-        self,
-        x_ptr: cute.Pointer,
-        suh_ptr: cute.Pointer,
-        xr_ptr: cute.Pointer,
-        tokens: Int32,
-        in_true: Int32,
-        x_row_stride: Int32,
-        in_p: Int32,
-        stream: cuda.CUstream,
-    ):
-        mX = cute.make_tensor(x_ptr, cute.make_layout((tokens, in_true), stride=(Int64(x_row_stride), 1)))
-        mSuh = cute.make_tensor(suh_ptr, cute.make_layout(in_p))
-        mXr = cute.make_tensor(xr_ptr, cute.make_layout((tokens, in_p), stride=(Int64(in_p), 1)))
-        grid = (mXr.shape[1] // 128, (tokens + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+    def __call__(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor, stream: cuda.CUstream):
+        """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16."""
+        grid = (mXr.shape[1] // 128, (mXr.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
 
     @cute.kernel
@@ -132,36 +120,18 @@ class OutputRotationConfig:
 
 
 class OutputRotation:
-    """``y (M, out_true) = H128(sum_s P[s]) * svh (+ bias)``; P is ``(splits, M, out_p)``.
-
-    Without a bias, pass any valid pointer as ``bias_ptr``: it is never read."""
+    """``y (M, out_true) = H128(sum_s P[s]) * svh (+ bias)``; P is ``(splits, M, out_p)``."""
 
     def __init__(self, config: OutputRotationConfig):
         self.cfg = config
         self.out_type = DTYPES[config.out_dtype]
 
     @cute.jit
-    def __call__(
-        self,
-        p_ptr: cute.Pointer,
-        svh_ptr: cute.Pointer,
-        bias_ptr: cute.Pointer,
-        y_ptr: cute.Pointer,
-        splits: Int32,
-        tokens: Int32,
-        out_p: Int32,
-        out_true: Int32,
-        y_row_stride: Int32,
-        stream: cuda.CUstream,
-    ):
-        mP = cute.make_tensor(
-            p_ptr, cute.make_layout((splits, tokens, out_p), stride=(Int64(tokens) * out_p, out_p, 1))
-        )
-        mSvh = cute.make_tensor(svh_ptr, cute.make_layout(out_p))
-        mBias = cute.make_tensor(bias_ptr, cute.make_layout(out_p))
-        mY = cute.make_tensor(y_ptr, cute.make_layout((tokens, out_true), stride=(Int64(y_row_stride), 1)))
+    def __call__(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias, mY: cute.Tensor, stream: cuda.CUstream):
+        """mP ``(splits, M, out_p)``, mSvh ``(out_p,)`` fp16, mBias ``(out_p,)`` fp16 or None, mY ``(M, out_true)``."""
+        bias = mSvh if cutlass.const_expr(mBias is None) else mBias  # never read without a bias
         grid = (mP.shape[2] // 128, (mP.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
-        self.kernel(mP, mSvh, mBias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+        self.kernel(mP, mSvh, bias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor):

@@ -1,7 +1,9 @@
-"""One builder and one launcher per kernel: the only place that knows each kernel's argument list.
+"""One builder and one launcher per kernel: the only place that spells each kernel's argument list.
 
-A builder compiles with placeholder pointers (dynamic sizes), a launcher passes real device pointers, sizes and
-torch's current stream, so launches are cheap and CUDA-graph capturable (no allocation, no compile inside).
+A builder compiles for fake tensors (dynamic sizes as symbolic ints, the dims that must agree sharing one symbol)
+through TVM FFI, so the compiled function takes torch tensors directly: TVM FFI checks their dtypes, ranks,
+agreeing sizes, alignment and device, and launches on torch's current stream (CUDA-graph capture included). A
+launcher is that call, nothing else: no conversion, no allocation, no host sync.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 import torch
-from cuda.bindings import driver as cuda_driver
-from cutlass.cute.runtime import make_fake_stream, make_ptr, nullptr
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from exl3tool.kernels.dequant import DequantConfig, Dequantize
 from exl3tool.kernels.gemm import GemmConfig, TrellisGemm
@@ -23,61 +24,66 @@ from exl3tool.kernels.rotate import (
     OutputRotation,
     OutputRotationConfig,
 )
+from exl3tool.kernels.trellis import TrellisPlan
 from exl3tool.ops.runtime import compile_cached
 
-GMEM = cute.AddressSpace.gmem
-_TORCH_TO_CUTE = {
-    torch.float16: cutlass.Float16,
-    torch.bfloat16: cutlass.BFloat16,
-    torch.float32: cutlass.Float32,
-    torch.int32: cutlass.Int32,
-    torch.int16: cutlass.Int16,
-}
+ROW_MAJOR = {1: (0,), 2: (1, 0), 3: (2, 1, 0)}  # stride_order: mode 0 slowest, the last mode contiguous
 
 
-def _placeholder(dtype, align: int):
-    return nullptr(dtype, GMEM, assumed_align=align)
+def _dense(dtype, *shape, align: int = 16):
+    """A fake contiguous row-major tensor; ``shape`` entries are ints (static) or ``cute.sym_int()``."""
+    return make_fake_compact_tensor(dtype, shape, stride_order=ROW_MAJOR[len(shape)], assumed_align=align)
 
 
-def _ptr(t: torch.Tensor, align: int):
-    return make_ptr(_TORCH_TO_CUTE[t.dtype], t.data_ptr(), GMEM, assumed_align=align)
+def _rows(dtype, rows, cols, align: int = 2):
+    """A fake matrix whose rows may be strided (a view into a wider tensor), elements contiguous."""
+    return make_fake_tensor(dtype, (rows, cols), (cute.sym_int64(), 1), assumed_align=align)
+
+
+def _vector(dtype, align: int = 2):
+    return _dense(dtype, cute.sym_int(), align=align)
 
 
 def _stream():
-    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 # --- builders: (config, options) -> compiled function ----------------------------------------------------
 
 
 def build_gemm(cfg: GemmConfig, options: str):
-    args = [_placeholder(cutlass.Int32, 16), _placeholder(cutlass.Int32, 16), _placeholder(cutlass.Float32, 16)]
-    epilogue = [_placeholder(cutlass.Float16, 2), _placeholder(cutlass.Float16, 2),
-                _placeholder(DTYPES[cfg.output or "float32"], 2), _placeholder(cutlass.Int32, 4)]
-    return cute.compile(TrellisGemm(cfg), *args, 0, 0, 0, 0, 0, *epilogue, 0, 0, make_fake_stream(),
-                        options=options)
+    m, out_p = cute.sym_int(), cute.sym_int()
+    x = _dense(cutlass.Int32, m, cute.sym_int())
+    w = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
+    p = _dense(cutlass.Float32, cute.sym_int(), m, out_p)
+    epilogue = [None] * 4
+    if cfg.output is not None:
+        svh = _dense(cutlass.Float16, out_p, align=2)
+        bias = _dense(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
+        epilogue = [svh, bias, _rows(DTYPES[cfg.output], m, cute.sym_int()), _vector(cutlass.Int32, 4)]
+    return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, _stream(), options=options)
 
 
 def build_dequant(cfg: DequantConfig, options: str):
-    args = [_placeholder(cutlass.Int32, 16), _placeholder(cutlass.Int16, 16)]
-    return cute.compile(Dequantize(cfg), *args, 0, 0, make_fake_stream(), options=options)
+    w = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
+    out = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int())
+    return cute.compile(Dequantize(cfg), w, out, _stream(), options=options)
 
 
 def build_input_rotation(cfg: InputRotationConfig, options: str):
-    x = _placeholder(DTYPES[cfg.in_dtype], 2)
-    args = [x, _placeholder(cutlass.Float16, 2), _placeholder(cutlass.Float16, 16)]
-    return cute.compile(InputRotation(cfg), *args, 0, 0, 0, 0, make_fake_stream(), options=options)
+    m, in_p = cute.sym_int(), cute.sym_int()
+    x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
+    return cute.compile(InputRotation(cfg), x, _dense(cutlass.Float16, in_p, align=2),
+                        _dense(cutlass.Float16, m, in_p), _stream(), options=options)
 
 
 def build_output_rotation(cfg: OutputRotationConfig, options: str):
-    out = DTYPES[cfg.out_dtype]
-    args = [
-        _placeholder(DTYPES[cfg.partial_dtype], 4),
-        _placeholder(cutlass.Float16, 2),
-        _placeholder(cutlass.Float16, 2),
-        _placeholder(out, 2),
-    ]
-    return cute.compile(OutputRotation(cfg), *args, 0, 0, 0, 0, 0, make_fake_stream(), options=options)
+    m, out_p = cute.sym_int(), cute.sym_int()
+    p = _dense(DTYPES[cfg.partial_dtype], cute.sym_int(), m, out_p)
+    svh = _dense(cutlass.Float16, out_p, align=2)
+    bias = _dense(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
+    y = _rows(DTYPES[cfg.out_dtype], m, cute.sym_int())
+    return cute.compile(OutputRotation(cfg), p, svh, bias, y, _stream(), options=options)
 
 
 BUILDERS = {
@@ -93,57 +99,23 @@ def compiled(cfg, arch: str):
     return compile_cached((type(cfg).__name__, cfg), arch, partial(BUILDERS[type(cfg)], cfg))
 
 
-# --- launchers ---------------------------------------------------------------------------------------------
+# --- launchers: torch tensors in, one launch on the current stream -------------------------------------------
 
 
-def launch_gemm(fn, xr, words, partials, k_tiles_per_split: int, fused=None):
-    """``fused``: (svh, bias or None, y, counters) when the config has a fused output rotation."""
-    tokens, in_p = partials.shape[1], xr.shape[1]
-    out_p = words.shape[1] * 16
-    if fused is None:  # ignored by the kernel; any valid pointers of the right types
-        fused = (words.view(torch.float16), None, partials, words)
-    svh, bias, y, counters = fused
-    fn(
-        _ptr(xr.view(torch.int32), 16),
-        _ptr(words, 16),
-        _ptr(partials, 16),
-        tokens,
-        in_p,
-        out_p,
-        partials.shape[0],
-        k_tiles_per_split,
-        _ptr(svh, 2),
-        _ptr(svh if bias is None else bias, 2),
-        _ptr(y, 2),
-        _ptr(counters, 4),
-        y.shape[1],
-        y.stride(0),
-        _stream(),
-    )
+def launch_gemm(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Tensor, k_tiles_per_split: int,
+                fused=None) -> None:
+    """xr fp16 ``[M, in_p]``; ``fused``: (svh, bias or None, y, counters) when the config fuses the output
+    rotation."""
+    fn(xr.view(torch.int32), words, partials, k_tiles_per_split, *(fused or (None,) * 4))
 
 
-def launch_dequant(fn, words: torch.Tensor, out_t: torch.Tensor):
-    out_p, in_p = out_t.shape
-    fn(_ptr(words, 16), _ptr(out_t.view(torch.int16), 16), in_p, out_p, _stream())
+def launch_dequant(fn, words: torch.Tensor, out_t: torch.Tensor) -> None:
+    fn(words, out_t.view(torch.int32))
 
 
-def launch_input_rotation(fn, x: torch.Tensor, suh: torch.Tensor, xr: torch.Tensor):
-    tokens, in_true = x.shape
-    fn(_ptr(x, 2), _ptr(suh, 2), _ptr(xr, 16), tokens, in_true, x.stride(0), xr.shape[1], _stream())
+def launch_input_rotation(fn, x: torch.Tensor, suh: torch.Tensor, xr: torch.Tensor) -> None:
+    fn(x, suh, xr)
 
 
-def launch_output_rotation(fn, partials, svh, bias, y):
-    splits, tokens, out_p = partials.shape
-    bias = svh if bias is None else bias  # never read without a bias; any valid pointer will do
-    fn(
-        _ptr(partials, 4),
-        _ptr(svh, 2),
-        _ptr(bias, 2),
-        _ptr(y, 2),
-        splits,
-        tokens,
-        out_p,
-        y.shape[1],
-        y.stride(0),
-        _stream(),
-    )
+def launch_output_rotation(fn, partials: torch.Tensor, svh: torch.Tensor, bias, y: torch.Tensor) -> None:
+    fn(partials, svh, bias, y)

@@ -17,6 +17,8 @@ import torch
 from exl3tool.errors import GpuUnavailableError
 
 ARCH_ENV = "EXL3TOOL_ARCH"
+# TVM FFI: the compiled function takes torch tensors and torch's current stream (a launch costs microseconds).
+COMPILE_OPTIONS = "--enable-tvm-ffi"
 _NAMED_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
 
 _cache: dict[tuple, Any] = {}
@@ -58,7 +60,7 @@ def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
         with _lock:
             compiled = _cache.get(full_key)
             if compiled is None:
-                compiled = build(f"--gpu-arch={arch}")
+                compiled = build(f"{COMPILE_OPTIONS} --gpu-arch={arch}")
                 _cache[full_key] = compiled
     return compiled
 
@@ -68,4 +70,4 @@ def compile_with_ptx(build: Callable[[str], Any], arch: str) -> str:
 
     Keeping the PTX also writes it to a file, so that goes to a throwaway folder, not the working directory."""
     with tempfile.TemporaryDirectory(prefix="exl3tool-ptx-") as dump:
-        return build(f"--gpu-arch={arch} --keep-ptx --dump-dir={dump}").__ptx__
+        return build(f"{COMPILE_OPTIONS} --gpu-arch={arch} --keep-ptx --dump-dir={dump}").__ptx__

@@ -37,7 +37,7 @@ def device_linear(seed, in_features, out_features, bits, codebook, bias=False):
 @pytest.mark.parametrize("bits,codebook", CASES)
 def test_dequantize_is_bit_exact(seed, bits, codebook):
     tensors, lin = device_linear(seed, 384, 256 + 128 * (seed % 3), bits, codebook)
-    out = poisoned((lin.out_padded, lin.in_padded), torch.float16)
+    out = poisoned((lin.info.out_padded, lin.info.in_padded), torch.float16)
     got = ops.dequantize_t(lin, out=out).t().cpu()
     ref = decode_trellis(tensors.trellis, codebook, bits)
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"seed={seed}"
@@ -48,9 +48,9 @@ def test_dequantize_is_bit_exact(seed, bits, codebook):
 def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, token_groups):
     """x_rot = I makes the GEMM output the decoded W_hat itself: every weight, bit for bit, in place."""
     tensors, lin = device_linear(seed, 256, 384, bits, codebook)
-    xr = torch.eye(lin.in_padded, dtype=torch.float16, device="cuda")
+    xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")
     plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), token_groups)
-    out = poisoned((plan.splits, xr.shape[0], lin.out_padded), torch.float32)
+    out = poisoned((plan.splits, xr.shape[0], lin.info.out_padded), torch.float32)
     partials = ops.trellis_gemm(xr, lin, plan, out=out)
     ref = decode_trellis(tensors.trellis, codebook, bits).float()
     assert torch.equal(partials.sum(0).cpu(), ref), f"seed={seed} plan={plan}"
@@ -60,8 +60,8 @@ def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, tok
 def test_input_rotation_matches_reference(seed, dtype):
     tensors, lin = device_linear(seed, 300, 256, 4.0, "mcg")
     x = torch.randn(37, 300, dtype=dtype, device="cuda")
-    got = ops.rotate_input(x, lin, out=poisoned((37, lin.in_padded), torch.float16)).float()
-    x_pad = torch.nn.functional.pad(x.float(), (0, lin.in_padded - 300))
+    got = ops.rotate_input(x, lin, out=poisoned((37, lin.info.in_padded), torch.float16)).float()
+    x_pad = torch.nn.functional.pad(x.float(), (0, lin.info.in_padded - 300))
     ref = rotate_input(x_pad, lin.suh)
     # fp32 math, one rounding to fp16 at the end.
     assert torch.allclose(got, ref.half().float(), rtol=2e-3, atol=1e-4), f"seed={seed}"
@@ -71,7 +71,7 @@ def test_input_rotation_matches_reference(seed, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_output_rotation_matches_reference(seed, out_dtype, bias):
     tensors, lin = device_linear(seed, 256, 300, 4.0, "mul1", bias=bias)
-    partials = torch.randn(3, 21, lin.out_padded, device="cuda")
+    partials = torch.randn(3, 21, lin.info.out_padded, device="cuda")
     got = ops.rotate_output(partials, lin, out_dtype, out=poisoned((21, 300), out_dtype)).float()
     ref = rotate_output(partials.sum(0), lin.svh, lin.bias)[:, :300]
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
