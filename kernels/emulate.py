@@ -42,8 +42,8 @@ def half_sums(a, b):
     return _pack(alo + ahi, blo + bhi)
 
 
-def shr_imm(x, shift):
-    return _u32(_u64(x) >> np.uint64(shift))
+def cut16(x, byte):
+    return _u32((_u64(x) >> np.uint64(16 - 8 * byte)) & np.uint64(0xFFFF))
 
 
 

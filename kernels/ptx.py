@@ -54,8 +54,13 @@ def shl(x, shift, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def shr_imm(x, shift: int, *, loc=None, ip=None) -> Int32:
-    return _asm_i32([x], f"shr.b32 $0, $1, {shift};", "=r,r", loc=loc, ip=ip)
+def cut16(x, byte: int, *, loc=None, ip=None) -> Int32:
+    """Bits ``[32 - 8*byte - 16, 32 - 8*byte)`` of x (byte 0, 1 or 2 counted from the top), zero-extended: one
+    SHR for the top half, else one PRMT taking two bytes of x and two zero bytes."""
+    if byte == 0:
+        return _asm_i32([x], "shr.b32 $0, $1, 16;", "=r,r", loc=loc, ip=ip)
+    selector = (0x4421, 0x4410)[byte - 1]
+    return _asm_i32([x], f"prmt.b32 $0, $1, 0, {selector:#06x};", "=r,r", loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -77,6 +77,84 @@ class TrellisPlan:
         """Words of the lane's shifted stream that the windows touch."""
         return -(-(self.deltas[-1] + 16) // 32)
 
+    @property
+    def fixed_shift(self) -> int | None:
+        """The first window's bit offset in the lane's first raw word when it is the same for every lane (8K a
+        multiple of 32: K=4, 8); then the windows are cut from the raw words and no runtime alignment is needed."""
+        return self.first_window_offset % 32 if self.lane_stride_bits % 32 == 0 else None
+
+    @cached_property
+    def cuts(self) -> "Cuts":
+        return plan_cuts(self)
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """How a lane cuts its 8 windows (compile time). Source words: the raw words when ``fixed_shift`` is known,
+    else the stream aligned to window 0 by one runtime funnel shift per word. A *base* is a source word shifted
+    left by a constant (``bases[i] = (bit offset, "word" | "shl" | "shf")``: free, IMAD.SHL on the FMA pipe, or
+    one funnel shift); window j is bytes ``byte .. byte+1`` (from the top) of base ``windows[j] = (i, byte)``,
+    one SHR or PRMT. So a lane pays one instruction per window plus one per non-word base."""
+
+    aligned: bool  # source = stream aligned at runtime (False: raw words)
+    bases: tuple[tuple[int, str], ...]
+    windows: tuple[tuple[int, int], ...]
+
+    @property
+    def instructions(self) -> int:
+        return len(self.windows) + sum(kind != "word" for _, kind in self.bases) + (
+            len({offset // 32 for offset, _ in self.bases} | {offset // 32 + 1 for offset, k in self.bases
+                                                             if k == "shf"}) if self.aligned else 0
+        )
+
+
+def plan_cuts(plan: TrellisPlan) -> Cuts:
+    """The fewest instructions that cut every window (exhaustive over sets of bases; at most 8 windows)."""
+    from itertools import combinations
+
+    aligned = plan.fixed_shift is None
+    starts = [(0 if aligned else plan.fixed_shift) + d for d in plan.deltas]
+    n_words = plan.stream_words if aligned else plan.raw_words
+    candidates = sorted({p - 8 * b for p in starts for b in range(3) if p - 8 * b >= 0})
+    free = [c for c in candidates if c % 32 == 0 and c // 32 < n_words]
+    paid = [c for c in candidates if c not in free]
+
+    def realize(chosen):
+        """Assign windows to bases (nearest base below), then each base's cheapest kind; None if impossible."""
+        assignment = []
+        for p in starts:
+            options = [c for c in chosen if p - c in (0, 8, 16)]
+            if not options:
+                return None
+            assignment.append(max(options))
+        bases = []
+        for c in sorted(set(assignment)):
+            end = max(p + 16 for p, a in zip(starts, assignment) if a == c)
+            if c % 32 == 0:
+                kind = "word"
+            elif end <= 32 * (c // 32 + 1):
+                kind = "shl"
+            elif c // 32 + 1 < n_words:
+                kind = "shf"
+            else:
+                return None
+            bases.append((c, kind))
+        index = {c: i for i, (c, _) in enumerate(bases)}
+        return Cuts(aligned, tuple(bases), tuple((index[a], (p - a) // 8) for p, a in zip(starts, assignment)))
+
+    best, best_k = None, None
+    for k in range(len(paid) + 1):
+        if best_k is not None and k > best_k + 1:  # each further base costs one more than it can save
+            break
+        for extra in combinations(paid, k):
+            cuts = realize(free + list(extra))
+            if cuts is not None:
+                score = (cuts.instructions, sum(kind == "shf" for _, kind in cuts.bases))  # then fewer ALU ops
+                if best is None or score < best[0]:
+                    best, best_k = (score, cuts), k
+    assert best is not None, f"no way to cut the windows of K={plan.bits}"
+    return best[1]
+
 
 def lane_word_indices(plan: TrellisPlan, lane):
     """Ring word indices a lane loads, and the bit shift that aligns its first window to bit 0.
@@ -92,32 +170,31 @@ def lane_word_indices(plan: TrellisPlan, lane):
 
 
 def lane_states(plan: TrellisPlan, words, shift, ops):
-    """The eight 16-bit states of a lane from its raw ring words (``lane_word_indices`` order).
+    """The eight 16-bit states of a lane from its raw ring words (``lane_word_indices`` order), cut as
+    ``plan.cuts`` says: at most one funnel shift per source word, one per extra base, one per window."""
+    cuts = plan.cuts
+    source = {}
 
-    The lane's stream is aligned once (funnel shifts by the runtime ``shift``); then every window
-    ``[d, d+16)`` lies inside one of the 32-bit views starting at a multiple of 16 bits (a view at an odd
-    multiple is one more funnel shift, shared by the windows in it), and is cut out as ``(view << r) >> 16``:
-    the left shift goes to the FMA pipe (``shl_imm``), only the right shift to the ALU pipe."""
-    stream = []
-    for q in range(plan.stream_words):
-        if q + 1 < len(words):
-            stream.append(ops.shf_l(words[q + 1], words[q], shift))
+    def word(q):
+        if q not in source:
+            if not cuts.aligned:
+                source[q] = words[q]
+            elif q + 1 < len(words):
+                source[q] = ops.shf_l(words[q + 1], words[q], shift)
+            else:
+                source[q] = ops.shl(words[q], shift)
+        return source[q]
+
+    bases = []
+    for offset, kind in cuts.bases:
+        q, r = divmod(offset, 32)
+        if kind == "word":
+            bases.append(word(q))
+        elif kind == "shl":
+            bases.append(ops.shl_imm(word(q), r))
         else:
-            stream.append(ops.shl(words[q], shift))
-    views = {}
-
-    def view(base: int):
-        if base not in views:
-            q, half = divmod(base, 32)
-            views[base] = stream[q] if half == 0 else ops.shf_l_imm(stream[q + 1], stream[q], 16)
-        return views[base]
-
-    states = []
-    for delta in plan.deltas:
-        base, r = 16 * (delta // 16), delta % 16
-        v = view(base)
-        states.append(ops.shr_imm(v if r == 0 else ops.shl_imm(v, r), 16))
-    return states
+            bases.append(ops.shf_l_imm(word(q + 1), word(q), r))
+    return [ops.cut16(bases[i], byte) for i, byte in cuts.windows]
 
 
 def codebook_constants(codebook: str, ops):
