@@ -28,10 +28,12 @@ _lock = threading.Lock()
 def require_gpu(device: torch.device | str | None = None) -> torch.device:
     """The CUDA device to run on, or GpuUnavailableError saying what is missing."""
     if not torch.cuda.is_available():
-        raise GpuUnavailableError(
-            "no usable CUDA GPU: torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
-        )
+        if torch.version.cuda is None:
+            raise GpuUnavailableError(
+                f"torch.cuda.is_available() is False: torch {torch.__version__} is a CPU-only build; install a CUDA "
+                "build of torch (https://pytorch.org/get-started/locally/)")
+        raise GpuUnavailableError(f"torch.cuda.is_available() is False: torch {torch.__version__} (CUDA "
+                                  f"{torch.version.cuda}) finds no CUDA GPU; check the NVIDIA driver with nvidia-smi")
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":
         raise GpuUnavailableError(f"the kernels run on a CUDA device, not {device}")
