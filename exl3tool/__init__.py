@@ -21,8 +21,7 @@ from exl3tool.errors import (
     CheckpointProblemsError, Exl3Error, NotFoundError, Problem, ProblemKind, UnreadableInputError,
     UnsupportedFeatureError, UsageError,
 )
-
-__version__ = "0.1.0"
+from exl3tool.version import __version__
 
 __all__ = [
     "CheckpointProblemsError", "Exl3Error", "NotFoundError", "Problem", "ProblemKind", "UnreadableInputError",

@@ -1,8 +1,11 @@
-"""What `exl3tool inspect` reports, as data: a summary, a bitrate histogram, per-layer rows, optionally one
-layer's linears in detail, and every problem the checks found. No torch, no printing.
+"""What `exl3tool inspect` reports, as data: a summary, a bitrate histogram, per-layer rows, optionally some
+layers' linears in detail, and every problem the checks found. No printing; torch only for a prepared folder.
 
     inspect_checkpoint(source, revision=None, *, layer=None, data_checks=True) -> InspectReport
+        source: a checkpoint folder, a hub repo id, or a folder written by `exl3tool prepare`
+        layer: a layer selection ("0-3,7,10-", "all", or an index) whose linears to list
     InspectReport.sound -> bool;  InspectReport.to_json() -> dict   (schema "exl3tool.inspect/1", see README)
+    cap_problems(problems) -> (shown, left_out)     at most PROBLEMS_PER_CHECK of each check, for display
 """
 
 from __future__ import annotations
@@ -11,12 +14,31 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from exl3tool.errors import NotFoundError, Problem, ProblemKind
+from exl3tool.errors import Problem, ProblemKind, UsageError
 from exl3tool.format import CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo
-from exl3tool.io.data_checks import check_scales
+from exl3tool.io.config import CONFIG
 from exl3tool.io.scan import scan_checkpoint
+from exl3tool.selection import parse_layers
 
 SCHEMA = "exl3tool.inspect/1"
+PROBLEMS_PER_CHECK = 20  # shown per check id; the rest is counted ("... and N more"), never printed
+
+
+def cap_problems(problems) -> tuple[list[Problem], dict[str, int]]:
+    """The problems to show (the first PROBLEMS_PER_CHECK of each check, in order) and how many of each check
+    were left out: 300k identical problems are one line and a count, not 300k lines."""
+    seen: Counter = Counter()
+    shown = []
+    for p in problems:
+        seen[p.check] += 1
+        if seen[p.check] <= PROBLEMS_PER_CHECK:
+            shown.append(p)
+    return shown, {check: n - PROBLEMS_PER_CHECK for check, n in seen.items() if n > PROBLEMS_PER_CHECK}
+
+
+def problem_json(p: Problem) -> dict:
+    return {"check": p.check, "kind": p.kind.value, "file": p.path, "tensor": p.tensor, "module": p.module,
+            "message": p.message}
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,12 @@ class HeadInfo:
 
 
 @dataclass(frozen=True)
+class LayerDetail:
+    index: int
+    linears: tuple[LinearRow, ...]
+
+
+@dataclass(frozen=True)
 class InspectReport:
     source: str
     path: str
@@ -92,10 +120,10 @@ class InspectReport:
     effective_bits: float | None  # stored bits per true weight incl. suh/svh, head excluded
     head: HeadInfo
     layers: tuple[LayerRow, ...]
-    layer_detail: tuple[LinearRow, ...] | None
-    detail_layer: int | None
+    details: tuple[LayerDetail, ...]  # the selected layers' linears (empty without a selection)
     problems: tuple[Problem, ...]
     notes: tuple[str, ...]
+    prepared: bool = False  # a folder written by `exl3tool prepare`
 
     @property
     def sound(self) -> bool:
@@ -108,10 +136,13 @@ class InspectReport:
     def to_json(self) -> dict:
         """The stable machine-readable form (documented in the README)."""
         row = lambda obj: {k: v for k, v in obj.__dict__.items()}  # noqa: E731
+        detail = lambda d: {"index": d.index, "linears": [row(r) for r in d.linears]}  # noqa: E731
+        shown, left_out = cap_problems(self.problems)
         return {
             "schema": SCHEMA,
             "source": self.source,
             "path": self.path,
+            "prepared": self.prepared,
             "sound": self.sound,
             "model": {
                 "architecture": self.architecture, "model_type": self.model_type,
@@ -129,10 +160,10 @@ class InspectReport:
             "head": row(self.head),
             "layers": [{**row(r), "attention": list(r.attention), "bits": list(r.bits),
                         "codebooks": list(r.codebooks)} for r in self.layers],
-            "layer_detail": None if self.layer_detail is None else
-            {"index": self.detail_layer, "linears": [row(r) for r in self.layer_detail]},
-            "problems": [{"check": p.check, "kind": p.kind.value, "file": p.path, "tensor": p.tensor,
-                          "module": p.module, "message": p.message} for p in self.problems],
+            "layer_detail": detail(self.details[0]) if len(self.details) == 1 else None,
+            "layer_details": [detail(d) for d in self.details],
+            "problems": [problem_json(p) for p in shown],
+            "problems_left_out": left_out,
             "notes": list(self.notes),
         }
 
@@ -213,26 +244,22 @@ def _notes(model: CheckpointModel) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def build_report(scan, *, layer: int | None = None, data_checks: bool = True) -> InspectReport:
-    model = scan.model
-    problems = list(scan.problems)
-    if data_checks:
-        for info in model.linears.values():
-            problems.extend(check_scales(info, scan.read))
+def build_report(model: CheckpointModel, problems: list[Problem], source: str, path: Path, *,
+                 layer=None, prepared: bool = False) -> InspectReport:
+    """The report on `model` (a source checkpoint's or a prepared folder's) and the problems found in it."""
     body = [lin for lin in model.linears.values() if lin.name != "lm_head"]
     moe = [lay.mlp for lay in model.layers if isinstance(lay.mlp, MoEBlock)]
     routing = model.config.routing
-    detail = None
+    details = []
     if layer is not None:
-        chosen = next((lay for lay in model.layers if lay.index == layer), None)
-        if chosen is None:
-            have = f"{model.layers[0].index}..{model.layers[-1].index}" if model.layers else "none"
-            raise NotFoundError(f"no layer {layer} in this checkpoint (layers: {have})", path=scan.source)
-        roles = _roles(chosen)
-        detail = tuple(_linear_row(lin, roles[lin.name]) for lin in chosen.linears)
+        chosen = set(parse_layers(layer).resolve((lay.index for lay in model.layers), source))
+        for lay in model.layers:
+            if lay.index in chosen:
+                roles = _roles(lay)
+                details.append(LayerDetail(lay.index, tuple(_linear_row(lin, roles[lin.name]) for lin in lay.linears)))
     return InspectReport(
-        source=scan.source,
-        path=str(Path(scan.root).resolve()),
+        source=source,
+        path=str(Path(path).resolve()),
         architecture=model.config.architecture,
         model_type=model.config.model_type,
         converter_version=model.config.quant.version,
@@ -255,22 +282,49 @@ def build_report(scan, *, layer: int | None = None, data_checks: bool = True) ->
         effective_bits=_bits_per_weight(body),
         head=_head(model.head),
         layers=tuple(_layer_row(lay) for lay in model.layers),
-        layer_detail=detail,
-        detail_layer=layer,
+        details=tuple(details),
         problems=tuple(problems),
         notes=_notes(model),
+        prepared=prepared,
     )
 
 
-def inspect_checkpoint(source, revision: str | None = None, *, layer: int | None = None,
-                       data_checks: bool = True) -> InspectReport:
+def _unfinished_prepare(source) -> bool:
+    """A folder `exl3tool prepare` is still writing (or was killed while writing): no config.json of its own."""
+    from exl3tool.prepared.layout import STATE_DIR
+
+    folder = Path(str(source)).expanduser()
+    return (folder / STATE_DIR).is_dir() and not (folder / CONFIG).exists()
+
+
+def inspect_checkpoint(source, revision: str | None = None, *, layer=None, data_checks: bool = True) -> InspectReport:
     """Read a checkpoint header-first (plus markers and, with `data_checks`, every suh/svh) and report on it.
-    Raises only when nothing can be read (UnreadableInputError, UsageError) or `layer` does not exist."""
+    A prepared folder is read through its manifest (with `data_checks`, every shard's sha256: all of its data).
+    Raises only when nothing can be read (UnreadableInputError, UsageError) or `layer` names an absent layer."""
+    from exl3tool.prepared import is_prepared
+
+    layer = None if layer is None else parse_layers(layer)  # a malformed selection fails before any reading
+    if is_prepared(source) or _unfinished_prepare(source):
+        if revision is not None:
+            raise UsageError("--revision applies to Hugging Face repo ids, not to a prepared folder", path=source)
+        return _inspect_prepared(source, layer, data_checks)
     scan = scan_checkpoint(source, revision)
     try:
-        return build_report(scan, layer=layer, data_checks=data_checks)
+        return build_report(scan.model, scan.check(data_checks), scan.source, scan.root, layer=layer)
     finally:
         scan.close()
 
 
-__all__ = ["InspectReport", "LayerRow", "LinearRow", "BitsBin", "HeadInfo", "inspect_checkpoint", "SCHEMA"]
+def _inspect_prepared(source, layer, data_checks: bool) -> InspectReport:
+    from exl3tool.prepared import load_prepared
+
+    prepared = load_prepared(source, verify_hashes=False)  # check() below hashes, collecting what differs
+    try:
+        problems = prepared.check() if data_checks else []
+        return build_report(prepared.model, problems, str(source), prepared.root, layer=layer, prepared=True)
+    finally:
+        prepared.close()
+
+
+__all__ = ["InspectReport", "LayerRow", "LinearRow", "LayerDetail", "BitsBin", "HeadInfo", "inspect_checkpoint",
+           "cap_problems", "SCHEMA"]

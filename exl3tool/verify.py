@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from exl3tool import selection
 from exl3tool.errors import UnreadableInputError, UsageError
 from exl3tool.format import GatedMLP, Layer, LinearInfo, MoEBlock
 
@@ -112,18 +113,10 @@ def open_model(path: str, revision: str | None = None):
     return open_checkpoint(path, revision), False
 
 
-def parse_layers(spec: str | int, model) -> tuple[int, ...]:
-    """``N`` or ``all`` -> the layer indices, checked against the checkpoint."""
-    indices = tuple(layer.index for layer in model.layers)
-    if str(spec).strip().lower() == "all":
-        return indices
-    try:
-        n = int(spec)
-    except ValueError:
-        raise UsageError(f"--layer must be a layer number or 'all', not {spec!r}") from None
-    if n not in indices:
-        raise UsageError(f"no layer {n}; layers are {indices[0]}..{indices[-1]}" if indices else "no layers")
-    return (n,)
+def parse_layers(spec, model) -> tuple[int, ...]:
+    """A layer selection (N, 0-3,7,10- or all; `exl3tool.selection`) -> the layer indices, checked against the
+    checkpoint."""
+    return tuple(selection.parse_layers(spec).resolve((layer.index for layer in model.layers), model.source))
 
 
 def load_inputs(path: str | None) -> dict[str, torch.Tensor]:
@@ -210,16 +203,18 @@ def verify(
     revision: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
+    if tokens < 1:  # arguments first: a typo is answered before torch takes seconds to import
+        raise UsageError("--tokens must be at least 1")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be {' or '.join(DTYPES)}")
+    selection.parse_layers(layers)
+
     import torch
 
     from exl3tool.ops import blocks as kernel_blocks
     from exl3tool.ops.linear import DeviceLinear, linear_forward
     from exl3tool.ops.runtime import require_gpu, target_arch
 
-    if tokens < 1:
-        raise UsageError("--tokens must be at least 1")
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}")
     file_tensors = load_inputs(input_file)
     model, prepared = open_model(model_path, revision)
     try:

@@ -23,8 +23,10 @@ def test_example_json_schema_and_facts():
     report = run_cli("inspect", EXAMPLE, "--format", "json").json()
     assert report["schema"] == "exl3tool.inspect/1"
     assert report["sound"] is True and report["problems"] == []
-    assert set(report) == {"schema", "source", "path", "sound", "model", "summary", "bits_histogram", "head",
-                           "layers", "layer_detail", "problems", "notes"}
+    assert set(report) == {"schema", "source", "path", "prepared", "sound", "model", "summary", "bits_histogram",
+                           "head", "layers", "layer_detail", "layer_details", "problems", "problems_left_out",
+                           "notes"}
+    assert report["prepared"] is False and report["problems_left_out"] == {} and report["layer_details"] == []
     assert report["model"] == {"architecture": "Qwen3MoeForCausalLM", "model_type": "qwen3_moe",
                                "converter_version": "1.6.5", "config_bits": 4.0, "config_head_bits": 6.0}
     s = report["summary"]

@@ -94,11 +94,13 @@ def test_gate_up_mismatch_exits_1(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--layers", "5"], "no layer 5 in the checkpoint (layers: 0..1)"),
     (["--layers", "1-0"], "runs backwards"),
-    (["--layers", "one"], "expected layer indices"),
+    (["--layers", "one"], "expected 'all' or layer numbers and ranges like 0-3,7,10-"),
     (["--max-shard-size", "lots"], "expected a number of bytes"),
     (["--max-shard-size", "0"], "must be positive"),
     (["--revision", "main"], "--revision applies to Hugging Face repo ids"),
-    (["--format", "xml"], "xml"),
+    (["--format", "xml"], "--format must be human or json, not 'xml'"),
+    (["--layer", "0-999999999"], "no layer 2 in the checkpoint"),
+    (["-l", "all", "--layers", "x-"], "expected 'all' or layer numbers"),
 ])
 def test_bad_options_exit_2(tmp_path, args, message):
     result = run_cli("prepare", EXAMPLE, tmp_path / "out", *args)

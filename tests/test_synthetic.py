@@ -19,7 +19,7 @@ from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint
 def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
     spec = ModelSpec(arch=arch, num_layers=2, num_experts=3, hidden=384, intermediate=200, moe_intermediate=160,
                      shards=2, head_bits=16 if arch == "llama" else 2.5, codebook="mul1",
-                     per_linear={"*.o_proj": (8, "3inst")})
+                     per_linear={"*.o_proj": (8, "3inst")}, n_group=1)  # 3 experts: not in 2 routing groups
     path = write_checkpoint(tmp_path / arch, spec)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}

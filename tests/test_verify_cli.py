@@ -3,6 +3,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from safetensors.torch import save_file
 
 from exl3tool.cli.render.verify import render_json
 from exl3tool.verify import Comparison, ModuleCheck, Thresholds, VerifyReport, compare
-from tests.helpers import model_dir, outputs_dir, run_cli
+from helpers import model_dir, outputs_dir, run_cli
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
@@ -50,17 +52,47 @@ def test_json_schema_and_non_finite_numbers_become_null(capsys):
 
 
 @no_gpu
-def test_without_a_gpu_exit_2_with_one_line_saying_so():
+def test_without_a_gpu_exit_2_with_one_line_saying_what_to_install():
     result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0")
     assert result.exit_code == 2
-    assert "no usable GPU" in result.stderr and "torch.cuda.is_available() is False" in result.stderr
+    assert result.stderr.startswith("exl3tool: no usable GPU: torch.cuda.is_available() is False: torch ")
+    assert "install a CUDA build of torch" in result.stderr and result.stderr.count("GPU") == 1
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("layer", ["7", "x", "-1"])
-def test_bad_layer_is_a_usage_error(layer):
-    result = run_cli("verify", model_dir("llama_mcg"), "--layer", layer)
-    assert result.exit_code == 2 and "usage error" in result.stderr
+def _verify_without(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`exl3tool verify ARGS` in a fresh interpreter where importing `module` fails as if it were not installed."""
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv = ['exl3tool', 'verify', *sys.argv[1:]]; "
+            "from exl3tool.cli import main; main()")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layer", "x"], "--layer 'x': expected 'all' or layer numbers"),
+    (["--layer", "-1"], "--layer '-1': expected"),
+    (["--layer", "3-1"], "the range 3-1 runs backwards"),
+    (["--layer", "0", "--dtype", "float32"], "--dtype must be float16 or bfloat16, not 'float32'"),
+    (["--layer", "0", "--format", "yaml"], "--format must be human or json, not 'yaml'"),
+    (["--layer", "0", "--max-rel-l2", "nan"], "--max-rel-l2 must be a finite number >= 0, not nan"),
+    (["--layer", "0", "--min-cosine", "2"], "--min-cosine must be a number from -1 to 1, not 2.0"),
+])
+def test_bad_arguments_are_refused_before_torch_is_imported(args, words):
+    """With torch impossible to import, a bad argument is still the usage error (not 'missing dependency')."""
+    result = _verify_without("torch", str(model_dir("llama_mcg")), *args)
+    assert result.returncode == 2 and result.stderr.startswith("exl3tool: usage error: ") and words in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_layer_the_checkpoint_lacks_is_exit_2():
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", "7")
+    assert result.exit_code == 2 and "llama_mcg: no layer 7 in the checkpoint (layers: 0..0)" in result.stderr
+
+
+def test_without_the_cute_dsl_exit_2_saying_what_to_install():
+    result = _verify_without("cutlass", str(model_dir("llama_mcg")), "--layer", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == ("exl3tool: missing dependency: no module named 'cutlass': "
+                                     "pip install 'nvidia-cutlass-dsl==4.8.1'")
 
 
 def test_missing_layer_option_is_a_usage_error():
@@ -87,18 +119,16 @@ def test_unreadable_checkpoint(tmp_path):
     assert result.exit_code == 2 and "nothing-here" in result.stderr
 
 
+@no_gpu
 def test_recorded_fixture_inputs_pass_validation():
-    """The fixtures' own recorded activations are accepted (only the GPU can be missing)."""
+    """The fixtures' own recorded activations are accepted: only the GPU (checked last) is missing."""
     result = run_cli("verify", model_dir("llama_mul1"), "--layer", "0",
                      "--input", outputs_dir("llama_mul1") / "exllamav3_outputs.safetensors")
-    assert result.exit_code in (0, 2) and "usage error" not in result.stderr
+    assert result.exit_code == 2 and result.stderr.startswith("exl3tool: no usable GPU: ")
 
 
 def test_the_cli_starts_without_importing_torch_or_the_dsl():
     """verify/bench pull in torch and the CuTe DSL only when they run, so inspect and --help start fast."""
-    import subprocess
-    import sys
-
     code = "import sys, exl3tool.cli.app; print(sorted(m for m in ('torch', 'cutlass') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

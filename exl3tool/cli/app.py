@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperCommand
 
-from exl3tool import __version__
 from exl3tool.cli import inspect as inspect_command
 from exl3tool.cli import prepare as prepare_command
 from exl3tool.cli import verify as verify_command
+from exl3tool.version import __version__
+
+
+
+class Command(TyperCommand):
+    """Usage and help that name arguments as the README does (`MODEL OUT`), without Typer's `{MODEL}` and
+    `MODEL <str>` decorations. Every command is registered with it (`cls=Command`)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [piece.removeprefix("{").removesuffix("}") for piece in super().collect_usage_pieces(ctx)]
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                argument = param.param_type_name == "argument"
+                sections["Arguments" if argument else "Options"].append(
+                    (param.metavar or param.name.upper(), record[1]) if argument else record)
+        for title, rows in sections.items():
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
 
 app = typer.Typer(
     name="exl3tool",
@@ -15,6 +39,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 
 
@@ -32,9 +57,9 @@ def root(
     """Inspect, verify and run EXL3 (ExLlamaV3 trellis-quantized) checkpoints."""
 
 
-app.command("inspect")(inspect_command.inspect)
-app.command("prepare")(prepare_command.prepare)
-app.command("verify")(verify_command.verify)
+app.command("inspect", cls=Command)(inspect_command.inspect)
+app.command("prepare", cls=Command)(prepare_command.prepare)
+app.command("verify", cls=Command)(verify_command.verify)
 
 
 def main() -> None:

@@ -1,14 +1,17 @@
 """The one table from error type to exit code, and the wrapper every command runs its library call in.
 
-Exit codes: 0 sound, 1 problems found (or something unsupported), 2 unreadable input or usage error,
-3 an internal error (a bug: set EXL3TOOL_DEBUG=1 to see its traceback). Never a traceback for bad input.
+Exit codes: 0 sound, 1 problems found (or something unsupported), 2 unreadable input, usage error, no usable GPU
+or a missing dependency, 3 an internal error (a bug: set EXL3TOOL_DEBUG=1 to see its traceback). Never a
+traceback for bad input.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager
+from importlib import metadata
 
 import typer
 
@@ -17,8 +20,14 @@ from exl3tool.errors import (
     CheckpointProblemsError, Exl3Error, GpuUnavailableError, NotFoundError, OutputError, Problem, ProblemKind,
     UnreadableInputError, UnsupportedFeatureError, UsageError, terminal_safe,
 )
+from exl3tool.inspection import cap_problems
 
 EXIT_SOUND, EXIT_PROBLEMS, EXIT_UNREADABLE, EXIT_INTERNAL = 0, 1, 2, 3
+
+# Modules the GPU commands import only when they run -> the distribution that provides them. Missing one is a
+# set-up problem (exit 2, saying what to install), not a bug.
+DEPENDENCIES = {"torch": "torch", "cutlass": "nvidia-cutlass-dsl", "cuda": "nvidia-cutlass-dsl",
+                "tvm_ffi": "apache-tvm-ffi"}
 
 # First matching row wins; order subclasses before their bases.
 EXIT_CODES: tuple[tuple[type[BaseException], int, str], ...] = (
@@ -40,8 +49,27 @@ def problems_exit_code(problems: tuple[Problem, ...] | list[Problem]) -> int:
     return EXIT_PROBLEMS if problems else EXIT_SOUND
 
 
+def _missing_dependency(error: BaseException) -> str | None:
+    """The distribution to install when `error` is the import of a known dependency failing, else None."""
+    if not isinstance(error, ModuleNotFoundError) or not error.name:
+        return None
+    return DEPENDENCIES.get(error.name.partition(".")[0])
+
+
+def _requirement(distribution: str) -> str:
+    """`distribution` with the version exl3tool's metadata pins (nvidia-cutlass-dsl==4.8.1), if it pins one."""
+    try:
+        pins = metadata.requires("exl3tool") or []
+    except metadata.PackageNotFoundError:
+        pins = []
+    found = next((r for r in pins if re.match(rf"{re.escape(distribution)}\s*[=<>~!]", r) and ";" not in r), None)
+    return found.replace(" ", "") if found else distribution
+
+
 def classify(error: BaseException) -> tuple[int, str]:
     """(exit code, label) for an exception, from the table."""
+    if _missing_dependency(error):
+        return EXIT_UNREADABLE, "missing dependency"
     for kind, code, label in EXIT_CODES:
         if isinstance(error, kind):
             if isinstance(error, CheckpointProblemsError):
@@ -51,6 +79,8 @@ def classify(error: BaseException) -> tuple[int, str]:
 
 
 def _message(error: BaseException) -> str:
+    if distribution := _missing_dependency(error):
+        return f"no module named {terminal_safe(error.name)!r}: pip install '{_requirement(distribution)}'"
     if isinstance(error, Exl3Error):
         return str(error)  # already one terminal-safe line naming file and tensor
     if isinstance(error, OSError):
@@ -80,10 +110,14 @@ def command_errors(json_output: bool = False):
         stderr.print(f"exl3tool: {label}: {message}{hint}", style="red", markup=False, highlight=False,
                      soft_wrap=True)
         if isinstance(error, CheckpointProblemsError):
-            for problem in error.problems[1:]:
+            shown, left_out = cap_problems(error.problems)
+            for problem in shown[1:]:
                 stderr.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+            for check, count in left_out.items():
+                stderr.print(f"  ... and {count} more {check}", markup=False, highlight=False, soft_wrap=True)
         if json_output:
             typer.echo(json.dumps({"schema": "exl3tool.error/1", "error": {
                 "type": type(error).__name__, "label": label, "exit_code": code, "message": message,
-                "file": getattr(error, "path", None), "tensor": getattr(error, "tensor", None)}}, indent=2))
+                "file": getattr(error, "path", None), "tensor": getattr(error, "tensor", None)}}, indent=2,
+                allow_nan=False))
         raise typer.Exit(code) from None

@@ -1,16 +1,18 @@
 """config.json -> ModelConfig: the true dims, the MoE routing and the EXL3 quantization_config.
 
 A config that cannot be read, or that is not EXL3, raises UnreadableInputError; odd values inside a readable
-config become problems (the rest of the checkpoint can still be inspected).
+config (the wrong type, or a size no model has) become problems and read as absent, so the rest of the
+checkpoint can still be inspected.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
 from exl3tool.errors import Problem, ProblemKind, UnreadableInputError
 from exl3tool.format import ModelConfig, ModelDims, QuantConfig, Routing
+from exl3tool.io.reading import brief, loads_strict, read_bounded
 
 CONFIG = "config.json"
 QUANT_CONFIG = "quantization_config.json"
@@ -25,19 +27,24 @@ GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decodi
 # model_type -> routing method, and whether renormalising the top-k weights is the default
 _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "mixtral": True, "minimax": True}
 _SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "kimi_k2"}
+# Architectures without experts: a checkpoint of one of these that stores experts contradicts its config.
+DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
+                               "phi3", "olmo", "olmo2", "cohere"})
+# Far beyond any real model (the largest have ~130 layers, 512 experts, dims of ~1e5, vocabularies of ~1e6):
+# larger values are damage, and believing them would make the checks list a billion missing layers.
+MAX_LAYERS, MAX_EXPERTS, MAX_DIM = 10_000, 65_536, 1 << 24
 
 
 def read_json(path: Path, display_name: str,
               missing: str = "missing: an EXL3 checkpoint folder has a config.json") -> dict:
-    """A JSON object from `path`, or UnreadableInputError (one line naming `display_name`) for any way it is not."""
+    """A JSON object from the regular file `path`, or UnreadableInputError (one line naming `display_name`) for
+    any way it is not: missing, not a regular file, too large, not strict JSON, nested too deeply."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UnreadableInputError(missing, path=display_name) from None
-    except OSError as e:
-        raise UnreadableInputError(f"cannot read: {e.strerror or e}", path=display_name) from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise UnreadableInputError(f"malformed JSON: {e}", path=display_name) from None
+        data = loads_strict(read_bounded(path, display_name), display_name)
+    except UnreadableInputError as e:
+        if e.message == "missing":
+            raise UnreadableInputError(missing, path=display_name) from None
+        raise
     if not isinstance(data, dict):
         raise UnreadableInputError("malformed: not a JSON object", path=display_name)
     return data
@@ -50,25 +57,25 @@ class _Reader:
         self.data, self.problems, self.source = data, problems, source
 
     def _bad(self, key: str, value: object, want: str) -> None:
-        self.problems.append(Problem("config-value", f"{key} = {value!r} is not {want}", self.source))
+        self.problems.append(Problem("config-value", f"{key} = {brief(value)} is not {want}", self.source))
 
-    def int(self, *keys: str, minimum: int = 1) -> int | None:
+    def int(self, *keys: str, minimum: int = 1, maximum: int = MAX_DIM) -> int | None:
         for key in keys:
             value = self.data.get(key)
             if value is None:
                 continue
-            if type(value) is not int or value < minimum:
-                self._bad(key, value, f"an integer >= {minimum}")
+            if type(value) is not int or not minimum <= value <= maximum:
+                self._bad(key, value, f"an integer from {minimum} to {maximum}")
                 return None
             return value
         return None
 
-    def float(self, key: str) -> float | None:
+    def float(self, key: str, minimum: float = -math.inf, maximum: float = math.inf) -> float | None:
         value = self.data.get(key)
         if value is None:
             return None
-        if type(value) not in (int, float):
-            self._bad(key, value, "a number")
+        if type(value) not in (int, float) or not minimum <= value <= maximum:
+            self._bad(key, value, "a number" if math.isinf(minimum) else f"a number from {minimum:g} to {maximum:g}")
             return None
         return float(value)
 
@@ -78,6 +85,16 @@ class _Reader:
             self._bad(key, value, "true or false")
             return default
         return value
+
+    def str(self, key: str, numbers: bool = False) -> str | None:
+        """A string value (with `numbers`, a number is accepted and written as text, as for `version`)."""
+        value = self.data.get(key)
+        if value is None or isinstance(value, str):
+            return value
+        if numbers and type(value) in (int, float):
+            return str(value)
+        self._bad(key, value, "a string")
+        return None
 
 
 def _text_config(data: dict) -> dict:
@@ -101,75 +118,95 @@ def _dims(r: _Reader) -> ModelDims:
         num_kv_heads=r.int("num_key_value_heads") or heads,
         head_dim=head_dim,
         vocab=r.int("vocab_size"),
-        num_layers=r.int("num_hidden_layers"),
-        extra_layers=r.int("num_nextn_predict_layers", minimum=0) or 0,
-        num_experts=r.int("num_experts", "num_local_experts", "n_routed_experts"),
-        num_shared_experts=r.int("n_shared_experts"),
+        num_layers=r.int("num_hidden_layers", maximum=MAX_LAYERS),
+        extra_layers=r.int("num_nextn_predict_layers", minimum=0, maximum=MAX_LAYERS) or 0,
+        num_experts=r.int("num_experts", "num_local_experts", "n_routed_experts", maximum=MAX_EXPERTS),
+        num_shared_experts=r.int("n_shared_experts", maximum=MAX_EXPERTS),
     )
 
 
 def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Routing | None:
     if not num_experts:
         return None
-    top_k = r.int("num_experts_per_tok", "moe_topk") or 1
+    top_k = r.int("num_experts_per_tok", "moe_topk", maximum=MAX_EXPERTS) or 1
     if model_type in _SOFTMAX_TOPK:
         normalize = True if model_type == "mixtral" else r.bool("norm_topk_prob", _SOFTMAX_TOPK[model_type])
         return Routing("softmax_topk", num_experts, top_k, normalize)
     if model_type in _SIGMOID_NOAUX:
         return Routing(
             "sigmoid_noaux_tc", num_experts, top_k, r.bool("norm_topk_prob", True),
-            scale=r.float("routed_scaling_factor") or 1.0, n_group=r.int("n_group") or 1,
-            topk_group=r.int("topk_group") or 1,
+            scale=r.float("routed_scaling_factor", 0.0, 1e6) or 1.0,
+            n_group=r.int("n_group", maximum=MAX_EXPERTS) or 1,
+            topk_group=r.int("topk_group", maximum=MAX_EXPERTS) or 1,
         )
     return Routing("unknown", num_experts, top_k, r.bool("norm_topk_prob", False))
+
+
+def routing_conflict(routing: Routing) -> str | None:
+    """Why `routing` cannot pick its experts (config values that contradict each other), or None."""
+    e, k, groups, keep = routing.num_experts, routing.top_k, routing.n_group, routing.topk_group
+    if k > e:
+        return f"num_experts_per_tok = {k} is more than the {e} experts"
+    if routing.method == "sigmoid_noaux_tc" and groups > 1:
+        if e % groups:
+            return f"n_group = {groups} does not divide the {e} experts"
+        if keep > groups:
+            return f"topk_group = {keep} is more than n_group = {groups}"
+        if k > keep * (e // groups):
+            return f"num_experts_per_tok = {k} is more than the {keep * (e // groups)} experts topk_group = {keep} " \
+                   "groups hold"
+    return None
 
 
 def _quant(qc: dict, problems: list[Problem], source: str) -> QuantConfig:
     for key in LAYOUT_KEYS:
         if qc.get(key) is not None:
             problems.append(Problem(
-                "tile-order", f"quantization_config.{key} = {qc[key]!r}: exl3tool knows only the standard EXL3 "
+                "tile-order", f"quantization_config.{key} = {brief(qc[key])}: exl3tool knows only the standard EXL3 "
                 "tile order and refuses to decode another", source, kind=ProblemKind.UNSUPPORTED))
     reader = _Reader(qc, problems, source)
-    version = qc.get("version")
-    codebook = qc.get("codebook")
     return QuantConfig(
-        version=str(version) if version is not None else None,
-        bits=reader.float("bits"),
-        head_bits=reader.float("head_bits"),
-        codebook=str(codebook) if codebook is not None else None,
+        version=reader.str("version", numbers=True),
+        bits=reader.float("bits", 1.0, 16.0),  # K runs 1..8; 16 is how an unquantized head is written
+        head_bits=reader.float("head_bits", 1.0, 16.0),
+        codebook=reader.str("codebook"),
         extra_keys=tuple(sorted(k for k in qc if k not in KNOWN_QUANT_KEYS and k not in LAYOUT_KEYS)),
     )
 
 
 def read_config(root: Path) -> tuple[ModelConfig, list[Problem]]:
     """Parse root/config.json (and check the optional root/quantization_config.json for layout keys)."""
-    data = read_json(root / CONFIG, CONFIG)
+    data = read_json(root / CONFIG, str(root / CONFIG))
     qc = data.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "exl3":
-        found = f"quant_method is {method!r}" if isinstance(qc, dict) else "there is no quantization_config"
-        raise UnreadableInputError(f"not an EXL3 checkpoint: {found}", path=CONFIG)
+        found = f"quant_method is {brief(method)}" if isinstance(qc, dict) else "there is no quantization_config"
+        raise UnreadableInputError(f"not an EXL3 checkpoint: {found}", path=root / CONFIG)
     problems: list[Problem] = []
+    top = _Reader(data, problems)
     r = _Reader(_text_config(data), problems)
     architectures = data.get("architectures")
-    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
-    model_type = r.data.get("model_type") or data.get("model_type")
+    architecture = None
+    if isinstance(architectures, list) and architectures:
+        architecture = _Reader({"architectures[0]": architectures[0]}, problems).str("architectures[0]")
+    elif architectures is not None:
+        top._bad("architectures", architectures, "a list of names")
+    model_type = r.str("model_type") if r.data.get("model_type") is not None else top.str("model_type")
     dims = _dims(r)
     quant = _quant(qc, problems, CONFIG)
     side = root / QUANT_CONFIG
-    if side.is_file():
+    if side.exists():
         try:
             side_qc = read_json(side, QUANT_CONFIG)
             _quant(side_qc, problems, QUANT_CONFIG)
         except UnreadableInputError as e:
             problems.append(Problem("config-file", e.message, QUANT_CONFIG, kind=ProblemKind.UNREADABLE))
     config = ModelConfig(
-        architecture=str(architecture) if architecture is not None else None,
-        model_type=str(model_type) if model_type is not None else None,
+        architecture=architecture,
+        model_type=model_type,
         dims=dims,
         quant=quant,
         routing=_routing(r, model_type, dims.num_experts),
-        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        tie_word_embeddings=top.bool("tie_word_embeddings", False),
     )
     return config, problems

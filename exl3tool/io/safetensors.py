@@ -7,12 +7,12 @@ whole checkpoint's structure costs one small read per file.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from exl3tool.errors import UnreadableInputError
+from exl3tool.io.reading import brief, loads_strict, open_regular
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -56,12 +56,12 @@ def _parse_entry(name: str, raw: object, fail) -> tuple[str, tuple[int, ...], in
     if not isinstance(raw, dict):
         fail("header entry is not an object", name)
     dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        fail(f"unknown dtype {dtype!r}", name)
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        fail(f"unknown dtype {brief(dtype)}", name)
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        fail(f"malformed shape {shape!r}", name)
+        fail(f"malformed shape {brief(shape)}", name)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
-        fail(f"malformed data_offsets {offsets!r}", name)
+        fail(f"malformed data_offsets {brief(offsets)}", name)
     begin, end = offsets
     shape = tuple(shape)
     if end - begin != _numel(shape) * DTYPE_SIZES[dtype]:
@@ -76,24 +76,31 @@ def read_header(path: Path, display_name: str) -> SafetensorsHeader:
     def fail(message: str, tensor: str | None = None):
         raise UnreadableInputError(message, path=display_name, tensor=tensor)
 
+    fd = open_regular(path, display_name)  # a FIFO or a device is refused, never read
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                fail(f"not a safetensors file: {file_size} bytes, shorter than the 8-byte header length")
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-                fail(f"not a safetensors file or truncated: header length {header_len}, file size {file_size}")
-            raw = f.read(header_len)
+        file_size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            fail(f"not a safetensors file: {file_size} bytes, shorter than the 8-byte header length")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+            fail(f"not a safetensors file or truncated: header length {header_len}, file size {file_size}")
+        raw = os.pread(fd, header_len, 8)
+        if len(raw) < header_len:
+            fail(f"truncated while reading: the header is {header_len} bytes, {len(raw)} could be read")
     except OSError as e:
         fail(f"cannot read: {e.strerror or e}")
+    finally:
+        os.close(fd)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        fail(f"malformed safetensors header: {e}")
+        header = loads_strict(raw, display_name, check_depth=False)  # entries are type-checked, never walked
+    except UnreadableInputError as e:
+        fail(f"malformed safetensors header: {e.message.removeprefix('malformed JSON: ')}")
     if not isinstance(header, dict):
         fail("malformed safetensors header: not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        fail(f"__metadata__ is {brief(metadata)}, not a map of strings to strings (the safetensors format's rule)")
 
     data_start = 8 + header_len
     data_size = file_size - data_start
@@ -130,7 +137,7 @@ class TensorReader:
         try:
             fd = self._fds.get(header.path)
             if fd is None:
-                fd = self._fds[header.path] = os.open(header.path, os.O_RDONLY)
+                fd = self._fds[header.path] = open_regular(header.path, header.display_name)
             buf = bytearray(entry.nbytes)
             view, done = memoryview(buf), 0
             while done < entry.nbytes:  # pread may return less than asked for large reads

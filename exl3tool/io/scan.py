@@ -3,6 +3,8 @@ codebook markers, and build the checked format model. No other tensor data is re
 
     scan_checkpoint(source, revision=None) -> Scan
     Scan.model, Scan.problems, Scan.read(tensor_name) -> bytearray, Scan.problems_for(module) -> list[Problem]
+    Scan.check(data_checks=True) -> list[Problem]     every problem, with the suh/svh data checks (what inspect
+                                                      reports and prepare refuses on)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from exl3tool.errors import NotFoundError, Problem, ProblemKind, UnreadableInputError
 from exl3tool.format import CheckpointModel, FileInfo, LinearInfo, TensorInfo
 from exl3tool.io.config import read_config
+from exl3tool.io.data_checks import check_scales
 from exl3tool.io.files import INDEX, find_weight_files
 from exl3tool.io.linears import MARKERS, check_linear, group_tensors
 from exl3tool.io.safetensors import SafetensorsHeader, TensorEntry, TensorReader, read_header
@@ -42,6 +45,13 @@ class Scan:
 
     def problems_for(self, module: str) -> list[Problem]:
         return [p for p in self.problems if p.module == module]
+
+    def check(self, data_checks: bool = True) -> list[Problem]:
+        found = list(self.problems)
+        if data_checks:
+            for info in self.model.linears.values():
+                found.extend(check_scales(info, self.read))
+        return found
 
     @property
     def complete(self) -> bool:

@@ -6,10 +6,12 @@ Hub downloads fetch only `*.json` and `*.safetensors`, go through the user's hub
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from exl3tool.errors import UnreadableInputError, UsageError
+from exl3tool.io.reading import kind_of
 
 HUB_PATTERNS = ["*.json", "*.safetensors"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -28,14 +30,18 @@ def snapshot_download(**kwargs) -> str:
 
 def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     """The local folder holding the checkpoint `source` (a folder path, or a hub repo id to download)."""
+    text = str(source)
+    if "\x00" in text:
+        raise UnreadableInputError("not a valid path (it holds a NUL byte)", path=text)
     local = Path(source).expanduser()
-    if local.exists():
+    if os.path.lexists(local):  # a symlink loop "exists" too: it must not be taken for a repo id
         if revision is not None:
             raise UsageError("--revision applies to Hugging Face repo ids, not to a local folder", path=source)
         if not local.is_dir():
-            raise UnreadableInputError("not a folder: point exl3tool at the checkpoint folder", path=source)
+            kind = kind_of(local)
+            what = "a file" if kind is None else kind.removesuffix(", not a regular file")
+            raise UnreadableInputError(f"{what}, not a folder: point exl3tool at the checkpoint folder", path=source)
         return local
-    text = str(source)
     if not looks_like_repo_id(text):
         raise UnreadableInputError("no such folder, and not a Hugging Face repo id", path=text)
     return _download(text, revision)

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field, replace
 
 from exl3tool.errors import Problem
 from exl3tool.format import (
-    Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, Routing, TensorInfo,
-    padded,
+    Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
-from exl3tool.io.config import CONFIG
+from exl3tool.io.config import CONFIG, DENSE_MODEL_TYPES, MAX_EXPERTS, routing_conflict
 
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention)\.(?P<proj>[^.]+)$")
@@ -35,6 +34,23 @@ STANDARD_ATTENTION = frozenset({
 })
 
 Dim = tuple[str, int | None]  # (config key that gives it, value)
+
+
+def gaps(present: set[int], first: int, last: int) -> list[tuple[int, int]]:
+    """The inclusive ranges of first..last missing from `present`: as many as there are gaps, however large
+    the span (a problem per range, not per index, keeps a claimed billion layers cheap)."""
+    out, cursor = [], first
+    for i in sorted(i for i in present if first <= i <= last):
+        if i > cursor:
+            out.append((cursor, i - 1))
+        cursor = i + 1
+    if cursor <= last:
+        out.append((cursor, last))
+    return out
+
+
+def _span(a: int, b: int, what: str, total: int) -> str:
+    return f"{what} {a} of {total} is" if a == b else f"{what}s {a}..{b} of {total} are"
 
 
 @dataclass
@@ -120,13 +136,30 @@ class _Builder:
         first = experts[min(experts)]
         where = next(iter(first.values())).file
         usable = True
-        for e in range(count):
-            if e not in experts:
+
+        def config_problem(check: str, message: str) -> None:
+            nonlocal usable
+            usable = False
+            self.problems.append(Problem(check, message, CONFIG, name, module=name))
+
+        model_type = self.config.model_type
+        if model_type in DENSE_MODEL_TYPES:
+            config_problem("model-type", f"model_type {model_type!r} is a dense architecture, but this block "
+                           f"stores {len(experts)} expert(s)")
+        if routing is None:
+            config_problem("expert-count", f"config.json declares no experts (num_experts, num_local_experts or "
+                           f"n_routed_experts), but this block stores {len(experts)}")
+            count = min(count, MAX_EXPERTS)  # expert numbers come from tensor names: never loop to a hostile one
+        elif conflict := routing_conflict(routing):
+            config_problem("config-value", conflict)
+        if self.complete:
+            for a, b in gaps(set(experts), 0, count - 1):
                 usable = False
-                if self.complete:
-                    self.problems.append(Problem(
-                        "missing-expert", f"expert {e} of {count} is missing (config: {count} experts)", where,
-                        f"{name}.experts.{e}", module=name))
+                self.problems.append(Problem(
+                    "missing-expert", f"{_span(a, b, 'expert', count)} missing (config: {count} experts)", where,
+                    f"{name}.experts.{a}", module=name))
+        elif len(experts) < count:
+            usable = False
         for e in sorted(experts):
             if e >= count:
                 usable = False
@@ -163,8 +196,6 @@ class _Builder:
                 router.name, module=name))
         if not usable:
             return None
-        if routing is None:
-            routing = Routing("unknown", count, 1, False)
         gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
         bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
         return MoEBlock(name, router, tuple(built[e] for e in range(count)), routing, shared, gate, bias)
@@ -221,10 +252,9 @@ class _Builder:
                 self.problems.append(Problem(
                     "layer-count", f"layer {i} is beyond num_hidden_layers = {n}", CONFIG, f"{stack}.{i}"))
         if self.complete:
-            for i in range(n):
-                if i not in indices:
-                    self.problems.append(Problem(
-                        "missing-layer", f"layer {i} of {n} has no EXL3 linears", CONFIG, f"{stack}.{i}"))
+            for a, b in gaps(indices, 0, n - 1):
+                self.problems.append(Problem(
+                    "missing-layer", f"{_span(a, b, 'layer', n)} missing: no EXL3 linears", CONFIG, f"{stack}.{a}"))
 
 
 def _main_stack(linears: dict[str, LinearInfo]) -> str | None:

@@ -10,9 +10,10 @@ torch is imported only by the loader and the writer, so `is_prepared` stays ligh
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from exl3tool.errors import Exl3Error
+from exl3tool.io.config import read_json
 from exl3tool.prepared.layout import LAYOUT_VERSION, MANIFEST, SCHEMA
 
 __all__ = [
@@ -25,10 +26,10 @@ def is_prepared(path: str | Path) -> bool:
     """True when `path` is a folder holding an exl3tool prepared manifest (of any layout version: loading then
     says whether this exl3tool reads it). Never raises."""
     try:
-        data = json.loads((Path(path).expanduser() / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        data = read_json(Path(str(path)).expanduser() / MANIFEST, MANIFEST)  # a regular file, bounded, strict
+    except Exl3Error:
         return False
-    return isinstance(data, dict) and str(data.get("schema", "")).startswith("exl3tool.prepared/")
+    return isinstance(data.get("schema"), str) and data["schema"].startswith("exl3tool.prepared/")
 
 
 def __getattr__(name):

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from exl3tool import __version__
 from exl3tool.errors import CheckpointProblemsError, OutputError, UnreadableInputError, UsageError
 from exl3tool.io.config import CONFIG, read_json
 from exl3tool.io.scan import Scan, scan_checkpoint
+from exl3tool.selection import LayerSelection, parse_layers
+from exl3tool.version import __version__
 from exl3tool.prepared.layout import (
     DEFAULT_MAX_SHARD_BYTES, HASH, HEADER_ALIGN, LAYOUT_VERSION, LOCK_FILE, MANIFEST, REPORT_SCHEMA, SCHEMA,
     SHARD_RE, STATE_DIR, STATE_FILE, STATE_SCHEMA, canonical_json, config_to_json, manifest_digest, shard_name,
@@ -209,7 +210,7 @@ def _fsync_dir(path: Path) -> None:
 def _write_json_atomic(path: Path, data: dict, tmp_dir: Path) -> None:
     tmp = tmp_dir / f"{path.name}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(json.dumps(data, indent=1).encode())
+        f.write(json.dumps(data, indent=1, allow_nan=False).encode())  # strict JSON, or a loud bug
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -470,20 +471,20 @@ def _unit_entry(unit: Unit, files: list[dict], tensor_files: dict[str, str]) -> 
 
 
 def _refuse_unsound(scan: Scan) -> None:
-    from exl3tool.inspection import build_report
-
-    problems = build_report(scan, data_checks=True).problems
+    problems = scan.check(data_checks=True)
     if problems:
-        raise CheckpointProblemsError(
+        error = CheckpointProblemsError(
             problems, message=f"refusing to prepare an unsound checkpoint ({len(problems)} problem(s), as "
             f"`exl3tool inspect` reports them); first: {problems[0].message}")
+        error.path = str(scan.root / problems[0].path) if problems[0].path else str(scan.root)  # name the folder
+        raise error
 
 
 def prepare_checkpoint(
     source: str | Path,
     out: str | Path,
     *,
-    layers: str | list[int] | None = None,
+    layers: str | LayerSelection | list[int] | None = None,
     revision: str | None = None,
     overwrite: bool = False,
     max_shard_bytes: int | str = DEFAULT_MAX_SHARD_BYTES,
@@ -492,10 +493,11 @@ def prepare_checkpoint(
     """Write the prepared layout of `source` (a folder or hub id) into the folder `out`.
 
     Refuses (CheckpointProblemsError) a checkpoint `exl3tool inspect` finds problems in, and
-    (UnsupportedFeatureError) experts whose gate and up differ in K or codebook. `layers` ("0-3,7" or indices)
-    limits the run to those decoder layers, without the head and the non-layer tensors. An OUT holding another
-    source's (or other options') output is refused unless `overwrite`; an interrupted run of the same source
-    and options is resumed. `progress` is called after each chunk (see PrepareProgress)."""
+    (UnsupportedFeatureError) experts whose gate and up differ in K or codebook. `layers` ("0-3,7,10-" or
+    indices) limits the run to those decoder layers, without the head and the non-layer tensors ("all":
+    everything). An OUT holding another source's (or other options') output is refused unless `overwrite`; an
+    interrupted run of the same source and options is resumed. `progress` is called after each chunk (see
+    PrepareProgress)."""
     started = time.perf_counter()
     max_bytes = parse_size(max_shard_bytes)
     out = Path(out).expanduser()
@@ -506,6 +508,10 @@ def prepare_checkpoint(
         if out.exists() and out.resolve() == scan.root.resolve():
             raise UsageError("OUT is the source checkpoint's own folder; choose another", path=out)
         _refuse_unsound(scan)
+        if isinstance(layers, (str, int, LayerSelection)):  # the CLI grammar; 'all': everything, head included
+            chosen = parse_layers(layers)
+            have = (layer.index for layer in scan.model.layers)
+            layers = None if chosen.ranges is None else chosen.resolve(have, str(source))
         selected = select_layers(scan.model, layers)
         units = plan_units(scan.model, selected)
         fingerprint = source_fingerprint(scan)

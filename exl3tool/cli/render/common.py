@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.text import Text
 
 from exl3tool.errors import Problem, terminal_safe
+from exl3tool.inspection import cap_problems
 
 
 def safe(value: object, style: str = "") -> Text:
@@ -28,16 +29,21 @@ def bits(value: float | None) -> str:
 
 
 def problems(console: Console, found: tuple[Problem, ...] | list[Problem]) -> None:
-    """One line per problem: `[kind] file: tensor: message`, never wrapped into several lines."""
+    """One line per problem: `[kind] file: tensor: message`, never wrapped into several lines; at most
+    PROBLEMS_PER_CHECK of each check, then '... and N more'."""
     if not found:
         return
     console.print(Text(f"Problems ({len(found)})", style="bold red"))
-    for p in found:
+    shown, left_out = cap_problems(found)
+    for p in shown:
         line = Text("  ")
         line.append(f"[{p.kind.value}] ", style="red")
         line.append(str(p))  # Problem.__str__ is already terminal-safe
         console.print(line, soft_wrap=True)
+    for check, count in left_out.items():
+        console.print(Text(f"  ... and {count} more {check}", style="red"), soft_wrap=True)
 
 
 def emit_json(data: dict) -> None:
-    typer.echo(json.dumps(data, indent=2))
+    """Strict JSON (RFC 8259: no NaN or Infinity); a non-finite number here is a bug, and fails loudly."""
+    typer.echo(json.dumps(data, indent=2, allow_nan=False))

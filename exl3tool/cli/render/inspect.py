@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exl3tool.cli.render.common import bits, emit_json, problems, safe, size
-from exl3tool.inspection import InspectReport, LayerRow
+from exl3tool.inspection import InspectReport, LayerDetail, LayerRow
 
 _BAR = 30
 
@@ -75,11 +75,11 @@ def _layers(report: InspectReport) -> Table:
     return table
 
 
-def _detail(report: InspectReport) -> Table:
-    rows = report.layer_detail or ()
+def _detail(report: InspectReport, detail: LayerDetail) -> Table:
+    rows = detail.linears
     prefix = _common_prefix([r.name for r in rows])
     names = [r.name[len(prefix):] for r in rows]
-    table = Table(title=f"layer {report.detail_layer}: {prefix}*", title_justify="left")
+    table = Table(title=f"layer {detail.index}: {prefix}*", title_justify="left")
     table.add_column("linear", no_wrap=True, min_width=max(map(len, names), default=6))
     for name in ("role", "in x out", "K", "codebook", "bpw"):
         table.add_column(name)
@@ -111,14 +111,15 @@ def _common_prefix(names: list[str]) -> str:
 
 
 def render_human(report: InspectReport, console: Console) -> None:
-    console.print(Text.assemble(("EXL3 checkpoint ", "bold"), safe(report.source, "bold cyan")))
+    what = "prepared folder (exl3tool prepare) " if report.prepared else "EXL3 checkpoint "
+    console.print(Text.assemble((what, "bold"), safe(report.source, "bold cyan")))
     console.print(_summary(report))
     if report.histogram:
         console.print(_histogram(report))
     if report.layers:
         console.print(_layers(report))
-    if report.layer_detail is not None:
-        console.print(_detail(report))
+    for detail in report.details:
+        console.print(_detail(report, detail))
     for note in report.notes:
         console.print(safe(f"note: {note}", "yellow"), soft_wrap=True)
     problems(console, report.problems)

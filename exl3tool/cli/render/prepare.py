@@ -8,6 +8,7 @@ from rich.text import Text
 
 from exl3tool.cli.render.common import emit_json, safe, size
 from exl3tool.errors import CheckpointProblemsError
+from exl3tool.inspection import cap_problems, problem_json
 from exl3tool.prepared.layout import REPORT_SCHEMA
 from exl3tool.prepared.writer import PrepareProgress, PrepareReport
 
@@ -47,10 +48,10 @@ def render_json(report: PrepareReport) -> None:
 
 
 def render_refusal_json(error: CheckpointProblemsError) -> None:
-    """An unsound source: the refusal and every problem, in the shape `inspect --format json` lists them."""
+    """An unsound source: the refusal and its problems, in the shape `inspect --format json` lists them."""
+    shown, left_out = cap_problems(error.problems)
     emit_json({"schema": REPORT_SCHEMA, "prepared": False, "message": error.message,
-               "problems": [{"check": p.check, "kind": p.kind.value, "file": p.path, "tensor": p.tensor,
-                             "module": p.module, "message": p.message} for p in error.problems]})
+               "problems": [problem_json(p) for p in shown], "problems_left_out": left_out})
 
 
 def render_human(report: PrepareReport, console: Console) -> None:
