@@ -27,13 +27,13 @@ from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.ops import launch
 from exl3tool.ops.runtime import require_gpu, target_arch
+from exl3tool.ops.targets import gemm_resident_ctas, split_k
 from exl3tool.ops.workspace import counters, scratch
 
 DEQUANT_MIN_TOKENS = 112  # measured crossover on the H200 (docs/perf.md)
 # The fused output rotation pays where few 128-column blocks make the last-CTA tail short (H200: -4..-8% at
 # M <= 4 with N <= 4096) and costs elsewhere (its tail is serial over the CTA's rows), so it is used only there.
 FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
-CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM (tuned on the H200, docs/perf.md)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 PATHS = ("gemm", "gemm-unfused", "dequant")
 
@@ -84,10 +84,12 @@ def plan_gemm(
     lin: DeviceLinear,
     sm_count: int,
     token_groups: int | None = None,
-    ctas_per_sm: int = CTAS_PER_SM,
+    arch: str | None = None,
     **config: int,
 ) -> GemmPlan:
-    """Tokens per CTA from M; K splits so that about ``ctas_per_sm`` CTAs per SM stream the weights.
+    """Tokens per CTA from M; K split so that the grid fills at least one whole wave of the CTAs ``arch``'s SMs
+    hold at once (``targets``: H200 8 CTAs of the M <= 8 config per SM, SM120 7), with the least work on the
+    busiest SM.
 
     ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output) for tuning runs."""
     info = lin.info
@@ -95,11 +97,10 @@ def plan_gemm(
         token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
     cfg = fitting_config(bits=float(info.bits), codebook=Codebook(info.codebook).value, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
-    stage = cfg.k_tiles_per_stage
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)
-    max_splits = max(1, k_tiles // (2 * stage))  # keep at least two stages of work per split
-    splits = min(max(1, math.ceil(ctas_per_sm * sm_count / ctas)), max_splits)
-    per_split = math.ceil(k_tiles / splits / stage) * stage
+    arch = arch or target_arch(lin.device)
+    slots = gemm_resident_ctas(arch, cfg) * sm_count
+    per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count)
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)
 
 

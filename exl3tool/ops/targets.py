@@ -1,0 +1,80 @@
+"""What one SM of each target holds, and the split-K that fills every SM: the one table grids are sized by.
+
+The decode GEMM streams weights; it runs at the memory or issue limit only when every SM holds as many CTAs as
+fit. So the planner asks how many CTAs of a config are resident per SM (threads, registers, shared memory, CTA
+slots) and splits K until the grid fills at least one whole wave of them, then picks among the split sizes
+that do the one with the least work on the busiest SM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    smem_bytes: int  # shared memory per SM available to CTAs
+    threads: int
+    registers: int
+    ctas: int  # resident CTAs per SM
+    smem_reserved_per_cta: int = 1024  # the driver's per-CTA reservation (SM80 and newer)
+
+
+# CUDA programming guide, compute capability tables.
+LIMITS = {
+    "sm_80": SmLimits(164 * 1024, 2048, 65536, 32),  # A100
+    "sm_86": SmLimits(100 * 1024, 1536, 65536, 16),
+    "sm_89": SmLimits(100 * 1024, 1536, 65536, 24),
+    "sm_90": SmLimits(228 * 1024, 2048, 65536, 32),  # H100 / H200
+    "sm_100": SmLimits(228 * 1024, 2048, 65536, 32),  # B200
+    "sm_120": SmLimits(100 * 1024, 1536, 65536, 32),  # RTX 50xx / RTX PRO 6000 Blackwell
+    "sm_121": SmLimits(100 * 1024, 1536, 65536, 32),
+}
+# Registers per thread the planner budgets for a decode GEMM CTA, by token groups: every GemmConfig compiles to
+# at most this (sm_120a, checked by tests/test_sass.py), so occupancy is known without a compile.
+GEMM_REGISTERS = {1: 64, 2: 64, 4: 96, 8: 168}
+REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
+OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
+
+
+def limits(arch: str) -> SmLimits:
+    """Limits of ``sm_XY`` with or without the ``a``/``f`` suffix."""
+    base = arch.rstrip("af")
+    if base not in LIMITS:
+        raise ValueError(f"no SM limits for {arch!r}; known: {', '.join(LIMITS)}")
+    return LIMITS[base]
+
+
+def resident_ctas(arch: str, threads: int, smem_bytes: int, registers: int) -> int:
+    """CTAs of this shape one SM holds at once."""
+    lim = limits(arch)
+    warps = threads // 32
+    regs_per_warp = -(-registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+    return max(
+        1,
+        min(
+            lim.ctas,
+            lim.threads // threads,
+            lim.registers // (regs_per_warp * warps),
+            lim.smem_bytes // (smem_bytes + lim.smem_reserved_per_cta),
+        ),
+    )
+
+
+def gemm_resident_ctas(arch: str, cfg) -> int:
+    """Decode GEMM CTAs of a ``GemmConfig`` one SM holds at once (M <= 8 config: H200 8, SM120 7)."""
+    return resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, GEMM_REGISTERS[cfg.token_groups])
+
+
+def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int) -> int:
+    """k-tiles per split (a multiple of ``stage``, at least two stages unless K is shorter): the grid fills at
+    least ``slots`` (= resident CTAs x SMs, one whole wave) where K allows, and among those sizes the one whose
+    busiest SM streams the least (ceil(CTAs / SMs) x (tiles + fixed cost)); ties go to fewer splits."""
+    sizes = range(stage * min(2, -(-k_tiles // stage)), stage * -(-k_tiles // stage) + 1, stage)
+
+    def ctas(per_split):
+        return ctas_per_split * math.ceil(k_tiles / per_split)
+
+    filling = [s for s in sizes if ctas(s) >= slots] or [sizes[0]]
+    return min(filling, key=lambda s: (math.ceil(ctas(s) / sm_count) * (s + OVERHEAD_K_TILES), -s))

@@ -1,0 +1,39 @@
+"""The decode GEMM's split-K planner sizes grids by each target's own SM limits (exl3tool.ops.targets); no GPU."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from exl3tool.kernels.gemm import fitting_config
+from exl3tool.ops.linear import plan_gemm
+from exl3tool.ops.targets import gemm_resident_ctas, limits, resident_ctas
+
+
+def linear(in_p, out_p, bits=4.0, codebook="mcg"):
+    return SimpleNamespace(info=SimpleNamespace(in_padded=in_p, out_padded=out_p, bits=bits, codebook=codebook))
+
+
+def test_resident_ctas_follow_each_targets_limits():
+    cfg = fitting_config(bits=4.0, codebook="mcg", token_groups=1)
+    assert gemm_resident_ctas("sm_120a", cfg) == 7  # SM120: 100 KB of shared memory per SM is the limit
+    assert gemm_resident_ctas("sm_90a", cfg) == 8  # H200: 64K registers at 64 per thread
+    assert limits("sm_120a").threads == 1536 and limits("sm_90a").smem_bytes == 228 * 1024
+    assert resident_ctas("sm_120a", 512, 1024, 32) == 3  # 1536 threads
+    with pytest.raises(ValueError, match="no SM limits"):
+        limits("sm_75")
+
+
+@pytest.mark.parametrize("arch,sms", [("sm_120a", 170), ("sm_120a", 188), ("sm_90a", 132)])
+@pytest.mark.parametrize("shape", [(4096, 14336), (14336, 4096)])
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64])
+@pytest.mark.parametrize("bits", [2.0, 4.0, 6.0])
+def test_plan_fills_a_whole_wave(arch, sms, shape, tokens, bits):
+    in_p, out_p = shape
+    plan = plan_gemm(tokens, linear(in_p, out_p, bits), sms, arch=arch)
+    cfg, k_tiles = plan.config, in_p // 16
+    # The splits cover K exactly once, in whole stages.
+    assert plan.k_tiles_per_split % cfg.k_tiles_per_stage == 0
+    assert (plan.splits - 1) * plan.k_tiles_per_split < k_tiles <= plan.splits * plan.k_tiles_per_split
+    ctas = (out_p // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta) * plan.splits
+    assert ctas >= gemm_resident_ctas(arch, cfg) * sms, (plan, ctas)
