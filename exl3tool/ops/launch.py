@@ -13,6 +13,7 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 import torch
+import tvm_ffi
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from exl3tool.kernels.dequant import DequantConfig, Dequantize
@@ -99,23 +100,40 @@ def compiled(cfg, arch: str):
     return compile_cached((type(cfg).__name__, cfg), arch, partial(BUILDERS[type(cfg)], cfg))
 
 
-# --- launchers: torch tensors in, one launch on the current stream -------------------------------------------
+# --- launchers: bound once to a plan's persistent tensors, called with the per-call ones -----------------------
+# Persistent tensors are handed to TVM FFI once, as its own tensors. Every launch still passes at least one torch
+# CUDA tensor: TVM FFI takes torch's current stream from it (so launches follow torch.cuda.stream and graph
+# capture).
 
 
-def launch_gemm(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Tensor, k_tiles_per_split: int,
-                fused=None) -> None:
-    """xr fp16 ``[M, in_p]``; ``fused``: (svh, bias or None, y, counters) when the config fuses the output
-    rotation."""
-    fn(xr.view(torch.int32), words, partials, k_tiles_per_split, *(fused or (None,) * 4))
+def _ffi(t: torch.Tensor | None):
+    return None if t is None else tvm_ffi.from_dlpack(t)
 
 
-def launch_dequant(fn, words: torch.Tensor, out_t: torch.Tensor) -> None:
-    fn(words, out_t.view(torch.int32))
+def gemm_launcher(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Tensor, k_tiles_per_split: int,
+                  svh: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None):
+    """``launch()`` without a fused output rotation, ``launch(y)`` with one (svh, bias, counters given)."""
+    x_words, w, p = xr.view(torch.int32), _ffi(words), _ffi(partials)
+    if svh is None:
+        return lambda: fn(x_words, w, p, k_tiles_per_split, None, None, None, None)
+    s, b, c = _ffi(svh), _ffi(bias), _ffi(counters)
+    return lambda y: fn(x_words, w, p, k_tiles_per_split, s, b, y, c)
 
 
-def launch_input_rotation(fn, x: torch.Tensor, suh: torch.Tensor, xr: torch.Tensor) -> None:
-    fn(x, suh, xr)
+def dequant_launcher(fn, words: torch.Tensor, out_t: torch.Tensor):
+    """``launch()``: W_hat^T fp16 ``(out_p, in_p)`` into ``out_t``."""
+    w, out_words = _ffi(words), out_t.view(torch.int32)
+    return lambda: fn(w, out_words)
 
 
-def launch_output_rotation(fn, partials: torch.Tensor, svh: torch.Tensor, bias, y: torch.Tensor) -> None:
-    fn(partials, svh, bias, y)
+def input_rotation_launcher(fn, suh: torch.Tensor, xr: torch.Tensor):
+    """``launch(x)``: ``xr = H128(x * suh)``."""
+    s, r = _ffi(suh), _ffi(xr)
+    return lambda x: fn(x, s, r)
+
+
+def output_rotation_launcher(fn, partials: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None):
+    """``launch(y)``: ``y = H128(sum of partials) * svh + bias``."""
+    p, s, b = _ffi(partials), _ffi(svh), _ffi(bias)
+    return lambda y: fn(p, s, b, y)

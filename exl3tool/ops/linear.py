@@ -3,7 +3,7 @@
     DeviceLinear.from_tensors(tensors, device)   the weights in the layout the kernels read
     linear_forward(x, lin, out_dtype=None)        x [M, in_features] fp16/bf16 -> y [M, out_features]
     LinearPlan                                    what one (linear, M, dtypes, path) call needs, decided once
-    rotate_input / trellis_gemm / rotate_output / fused_gemm / dequantize_t   the stages, for tests and benchmarks
+    rotate_input / trellis_gemm / rotate_output / dequantize_t   the stages, for tests and benchmarks
 
 Small M streams the trellis through the decode GEMM (split over K so every SM has work), with the output
 rotation in its own kernel or fused into the GEMM's epilogue; from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat
@@ -32,7 +32,9 @@ from exl3tool.ops.workspace import counters, scratch
 
 DEQUANT_MIN_TOKENS = 112  # measured crossover on the H200 (docs/perf.md)
 # The fused output rotation pays where few 128-column blocks make the last-CTA tail short (H200: -4..-8% at
-# M <= 4 with N <= 4096) and costs elsewhere (its tail is serial over the CTA's rows), so it is used only there.
+# M <= 4 with N <= 4096) and costs elsewhere (its tail is serial over the CTA's rows), so it is used only there,
+# and at M = 1 for any N: one row makes the tail short (4096x14336: 25.72 vs 25.74 us at K=4, 23.68 vs 23.75 at
+# K=2, 27.28 vs 28.04 at K=6) and it saves a launch.
 FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 PATHS = ("gemm", "gemm-unfused", "dequant")
@@ -108,7 +110,7 @@ def choose_path(tokens: int, lin: DeviceLinear) -> str:
     """What ``path="auto"`` runs, by the H200 crossovers above."""
     if tokens >= DEQUANT_MIN_TOKENS:
         return "dequant"
-    if tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT:
+    if tokens == 1 or (tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT):
         return "gemm"
     return "gemm-unfused"
 

@@ -121,3 +121,44 @@ def test_cuda_graph_replay_is_bit_identical(seed, tokens):
     first = static_y.clone()
     graph.replay()
     assert torch.equal(first, eager) and torch.equal(static_y, eager), f"seed={seed}"
+
+
+@pytest.mark.parametrize("path", ["gemm", "gemm-unfused", "dequant"])
+@pytest.mark.parametrize("tokens", [1, 9, 130])
+def test_planned_call_allocates_nothing_syncs_nothing_and_replays_bit_identical(seed, path, tokens):
+    """After the first call made the plan, a call into ``out`` only launches: no allocation, no host sync (so
+    it captures), and its graph replays equal eager bit for bit, also after the input changes in place."""
+    tensors, lin = device_linear(seed, 640, 384, 4.0, "mcg", bias=True)
+    x = torch.randn(tokens, 640, dtype=torch.float16, device="cuda")
+    eager = ops.linear_forward(x, lin, path=path)  # makes the plan: compiles, takes scratch
+    y = poisoned((tokens, 384), torch.float16)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.linear_forward(x, lin, path=path, out=y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.equal(y, eager), f"seed={seed}"
+
+    graph = torch.cuda.CUDAGraph()
+    y.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        ops.linear_forward(x, lin, path=path, out=y)
+    graph.replay()
+    assert torch.equal(y, eager), f"seed={seed}"
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(y, ops.linear_forward(x, lin, path=path)), f"seed={seed}"
+
+
+def test_plans_are_made_once_per_shape_dtype_and_path(seed):
+    tensors, lin = device_linear(seed, 256, 256, 2.0, "mul1")
+    x1 = torch.randn(1, 256, dtype=torch.float16, device="cuda")
+    x5 = torch.randn(5, 256, dtype=torch.float16, device="cuda")
+    plan = ops.plan_for(lin, x1)
+    assert ops.plan_for(lin, x1.clone()) is plan
+    assert ops.plan_for(lin, x5) is not plan and ops.plan_for(lin, x1, torch.float32) is not plan
+    assert ops.plan_for(lin, x1, path="dequant").path == "dequant" and plan.path == ops.choose_path(1, lin)
