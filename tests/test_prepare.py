@@ -16,7 +16,6 @@ from exl3tool import reference
 from exl3tool.errors import NotFoundError, UnsupportedFeatureError, UsageError
 from exl3tool.format import Codebook, LinearInfo, MoEBlock, TensorInfo
 from exl3tool.prepared import is_prepared, load_prepared, prepare_checkpoint
-from exl3tool.prepared.plan import parse_layers
 from exl3tool.synthetic import ModelSpec, edit_checkpoint, write_checkpoint
 
 from helpers import GENUINE, model_dir, outputs_dir
@@ -247,19 +246,6 @@ def test_layer_selection(tmp_path):
             assert torch.equal(p.reference_forward(name, x), s.reference_forward(name, x))
     with pytest.raises(NotFoundError, match="no layer 9"):
         prepare_checkpoint(src, tmp_path / "o2", layers=[9])
-
-
-@pytest.mark.parametrize("text, last, want", [
-    ("3", 5, [3]), ("0-2,7", 9, [0, 1, 2, 7]), ("4-", 6, [4, 5, 6]), (" 2 - 3 , 1 ", 5, [1, 2, 3]), ("5,5", 5, [5]),
-])
-def test_parse_layers(text, last, want):
-    assert parse_layers(text, last) == want
-
-
-@pytest.mark.parametrize("text", ["", "a", "3-1", "1,,2", "-2", "1-2-3", "4-"])
-def test_parse_layers_rejects(text):
-    with pytest.raises(UsageError):
-        parse_layers(text)
 
 
 def _shard_layout(path: Path) -> tuple[int, list[tuple[str, int, int, int]]]:

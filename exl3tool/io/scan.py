@@ -9,7 +9,9 @@ codebook markers, and build the checked format model. No other tensor data is re
 
 from __future__ import annotations
 
+import gc
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,9 +104,27 @@ def _read_markers(locations, headers, reader: TensorReader) -> dict[str, int | N
     return values
 
 
+@contextmanager
+def _collector_paused():
+    """Reading headers builds millions of small objects and no reference cycles; the cyclic collector would
+    rescan them over and over (40% of the time for a header of 300k tensors)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def scan_checkpoint(source: str | Path, revision: str | None = None) -> Scan:
     """Read a checkpoint's structure. Raises UnreadableInputError/UsageError only when nothing can be read
     (no folder, no config.json, not EXL3, no weights); everything else is collected in `Scan.problems`."""
+    with _collector_paused():
+        return _scan(source, revision)
+
+
+def _scan(source: str | Path, revision: str | None) -> Scan:
     root = resolve_source(source, revision)
     config, problems = read_config(root)
     weight_files = find_weight_files(root)
