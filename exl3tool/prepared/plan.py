@@ -1,7 +1,6 @@
 """What `prepare` writes, decided from the format model alone (no IO): the units (one per decoder layer, plus
 `globals`), each unit's output tensors as lists of source byte ranges, and its manifest structure entry.
 
-    parse_layers(text, last=None) -> list[int]      "0-3,7,10-" (inclusive ranges; "10-" runs to `last`)
     select_layers(model, layers) -> list[int] | None
     plan_units(model, layers) -> list[Unit]
     expert_groups(block) -> list[list[int]]         MoE experts grouped by (K, codebook, bias, dims)
@@ -24,7 +23,6 @@ from exl3tool.prepared.layout import (
 )
 
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.")
-_RANGE = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
 
 
 @dataclass(frozen=True)
@@ -72,39 +70,15 @@ class Unit:
 # --- layer selection ---------------------------------------------------------------------------------------
 
 
-def _parse(text: str, last: int) -> list[int]:
-    chosen: set[int] = set()
-    for part in text.split(","):
-        m = _RANGE.match(part)
-        if not m:
-            raise UsageError(f"--layers {text!r}: expected layer indices and ranges like 0-3,7,10-")
-        start = int(m.group(1))
-        stop = start if m.group(2) is None else (int(m.group(3)) if m.group(3) else max(last, start))
-        if stop < start:
-            raise UsageError(f"--layers {text!r}: range {start}-{stop} runs backwards")
-        chosen.update(range(start, stop + 1))
-    return sorted(chosen)
-
-
-def parse_layers(text: str, last: int | None = None) -> list[int]:
-    """'0-3,7,10-' -> sorted indices (inclusive ranges; 'A-' runs to `last`, required for open ranges)."""
-    if last is None and re.search(r"-\s*(,|$)", text):
-        raise UsageError(f"--layers {text!r}: an open range needs the checkpoint's last layer")
-    return _parse(text, -1 if last is None else last)
-
-
 def select_layers(model: CheckpointModel, layers) -> list[int] | None:
     """None (every layer plus globals) or the chosen layer indices, each checked to exist."""
     if layers is None:
         return None
     have = [layer.index for layer in model.layers]
-    if isinstance(layers, str):
-        chosen = parse_layers(layers, have[-1] if have else 0)
-    else:
-        try:
-            chosen = sorted({int(i) for i in layers})
-        except (TypeError, ValueError):
-            raise UsageError(f"layers must be indices, got {layers!r}") from None
+    try:  # the text grammar ("0-3,7,10-") is exl3tool.selection's; the writer resolves it to indices first
+        chosen = sorted({int(i) for i in layers})
+    except (TypeError, ValueError):
+        raise UsageError(f"layers must be indices, got {layers!r}") from None
     if not chosen:
         raise UsageError("no layers chosen")
     missing = [i for i in chosen if i not in have]
