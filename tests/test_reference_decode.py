@@ -180,7 +180,10 @@ def test_decode_large_linear_takes_seconds():
     w_hat = decode_trellis(trellis, Codebook.MUL1)
     elapsed = time.perf_counter() - start
     assert w_hat.shape == (4096, 14336)
-    assert torch.isfinite(w_hat).all()
+    # the vectorized decode of the whole matrix puts every tile where decoding that tile alone does
+    for r, c in ((0, 0), (255, 895), (17, 600)):
+        tile = decode_trellis(trellis[r:r + 1, c:c + 1], Codebook.MUL1)
+        assert torch.equal(w_hat[16 * r:16 * r + 16, 16 * c:16 * c + 16], tile)
     assert elapsed < 60, f"decode took {elapsed:.1f}s"
 
 
