@@ -126,50 +126,56 @@ class LinearPlan:
             raise ValueError(f"unknown path {path!r}: use auto, {', '.join(PATHS)}")
         info, device = lin.info, lin.device
         arch = target_arch(device)
-        self.lin, self.path, self.out_dtype = lin, path, out_dtype
+        self.path, self.out_dtype = path, out_dtype
         self.out_shape = (tokens, info.out_features)
-        self.rotate_in = launch.compiled(InputRotationConfig(_DTYPE_NAMES[in_dtype]), arch)
-        partial_dtype = torch.float16 if path == "dequant" else torch.float32
-        self.rotate_out = launch.compiled(
-            OutputRotationConfig(_DTYPE_NAMES[out_dtype], _DTYPE_NAMES[partial_dtype], lin.bias is not None), arch)
+        rows = ((tokens, info.in_padded), torch.float16)
+        self.gemm = self.dequant = self.rotate_out = None
         if path == "dequant":
-            self.splits = 1
-            self.dequant = launch.compiled(DequantConfig(float(info.bits), Codebook(info.codebook).value), arch)
-            self.xr, self.partials, self.w_hat_t = scratch.views(
-                device, ((tokens, info.in_padded), torch.float16), ((1, tokens, info.out_padded), torch.float16),
-                ((info.out_padded, info.in_padded), torch.float16))
-            self.w_hat, self.partials_2d = self.w_hat_t.t(), self.partials[0]  # views made once, not per call
-            return
-        output = _DTYPE_NAMES[out_dtype] if path == "gemm" else None
-        self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output, has_bias=lin.bias is not None
-                                   and output is not None)
-        self.splits = self.gemm_plan.splits
-        self.gemm = launch.compiled(self.gemm_plan.config, arch)
-        self.xr, self.partials = scratch.views(
-            device, ((tokens, info.in_padded), torch.float16),
-            ((self.splits, tokens, info.out_padded), torch.float32))
-        if output is not None:
-            token_blocks = math.ceil(tokens / self.gemm_plan.config.tokens_per_cta)
-            (self.counters,) = counters.views(device, ((token_blocks * (info.out_padded // 128),), torch.int32))
+            xr, partials, w_hat_t = scratch.views(device, rows, ((1, tokens, info.out_padded), torch.float16),
+                                                  ((info.out_padded, info.in_padded), torch.float16))
+            self.dequant = launch.dequant_launcher(
+                launch.compiled(DequantConfig(float(info.bits), Codebook(info.codebook).value), arch), lin.words,
+                w_hat_t)
+            self.matmul = (xr, w_hat_t.t(), partials[0])  # views made once, not per call
+            self._rotate_out(lin, partials, arch)
+        else:
+            output = _DTYPE_NAMES[out_dtype] if path == "gemm" else None
+            self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
+                                       has_bias=lin.bias is not None and output is not None)
+            xr, partials = scratch.views(device, rows,
+                                         ((self.gemm_plan.splits, tokens, info.out_padded), torch.float32))
+            fn, k_split = launch.compiled(self.gemm_plan.config, arch), self.gemm_plan.k_tiles_per_split
+            if output is None:
+                self.gemm = launch.gemm_launcher(fn, xr, lin.words, partials, k_split)
+                self._rotate_out(lin, partials, arch)
+            else:
+                token_blocks = math.ceil(tokens / self.gemm_plan.config.tokens_per_cta)
+                (arrivals,) = counters.views(device, ((token_blocks * (info.out_padded // 128),), torch.int32))
+                self.gemm = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
+        self.rotate_in = launch.input_rotation_launcher(
+            launch.compiled(InputRotationConfig(_DTYPE_NAMES[in_dtype]), arch), lin.suh, xr)
+
+    def _rotate_out(self, lin: DeviceLinear, partials: torch.Tensor, arch: str) -> None:
+        cfg = OutputRotationConfig(_DTYPE_NAMES[self.out_dtype], _DTYPE_NAMES[partials.dtype], lin.bias is not None)
+        self.rotate_out = launch.output_rotation_launcher(launch.compiled(cfg, arch), partials, lin.svh, lin.bias)
 
     @property
     def launches(self) -> int:
         return {"gemm": 2, "gemm-unfused": 3, "dequant": 4}[self.path]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        lin = self.lin
         y = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device) if out is None else out
-        launch.launch_input_rotation(self.rotate_in, x, lin.suh, self.xr)
+        self.rotate_in(x)
         if self.path == "gemm":
-            launch.launch_gemm(self.gemm, self.xr, lin.words, self.partials, self.gemm_plan.k_tiles_per_split,
-                               fused=(lin.svh, lin.bias, y, self.counters))
+            self.gemm(y)
             return y
         if self.path == "dequant":
-            launch.launch_dequant(self.dequant, lin.words, self.w_hat_t)
-            torch.mm(self.xr, self.w_hat, out=self.partials_2d)
+            self.dequant()
+            xr, w_hat, p = self.matmul
+            torch.mm(xr, w_hat, out=p)
         else:
-            launch.launch_gemm(self.gemm, self.xr, lin.words, self.partials, self.gemm_plan.k_tiles_per_split)
-        launch.launch_output_rotation(self.rotate_out, self.partials, lin.svh, lin.bias, y)
+            self.gemm()
+        self.rotate_out(y)
         return y
 
 
@@ -186,7 +192,7 @@ def rotate_input(x: torch.Tensor, lin: DeviceLinear, out: torch.Tensor | None = 
     """fp16 ``[M, in_p]`` = H128(x_pad * suh) per 128-column block."""
     fn = launch.compiled(InputRotationConfig(_DTYPE_NAMES[x.dtype]), target_arch(x.device))
     xr = _output(out, (x.shape[0], lin.info.in_padded), torch.float16, x.device)
-    launch.launch_input_rotation(fn, x, lin.suh, xr)
+    launch.input_rotation_launcher(fn, lin.suh, xr)(x)
     return xr
 
 
@@ -199,7 +205,7 @@ def trellis_gemm(
         plan = plan_gemm(tokens, lin, sm_count(xr.device))
     fn = launch.compiled(plan.config, target_arch(xr.device))
     partials = _output(out, (plan.splits, tokens, lin.info.out_padded), torch.float32, xr.device)
-    launch.launch_gemm(fn, xr, lin.words, partials, plan.k_tiles_per_split)
+    launch.gemm_launcher(fn, xr, lin.words, partials, plan.k_tiles_per_split)()
     return partials
 
 
@@ -214,7 +220,7 @@ def rotate_output(
     )
     fn = launch.compiled(cfg, target_arch(partials.device))
     y = _output(out, (partials.shape[1], lin.info.out_features), out_dtype, partials.device)
-    launch.launch_output_rotation(fn, partials, lin.svh, lin.bias, y)
+    launch.output_rotation_launcher(fn, partials, lin.svh, lin.bias)(y)
     return y
 
 
@@ -223,7 +229,7 @@ def dequantize_t(lin: DeviceLinear, out: torch.Tensor | None = None) -> torch.Te
     info = lin.info
     fn = launch.compiled(DequantConfig(float(info.bits), Codebook(info.codebook).value), target_arch(lin.device))
     w_hat_t = _output(out, (info.out_padded, info.in_padded), torch.float16, lin.device)
-    launch.launch_dequant(fn, lin.words, w_hat_t)
+    launch.dequant_launcher(fn, lin.words, w_hat_t)()
     return w_hat_t
 
 
