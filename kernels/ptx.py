@@ -22,13 +22,13 @@ def _asm_i32(operands, text, constraints, *, side_effects=False, loc=None, ip=No
     )
 
 
-def _asm_4(kind, values, text, constraints, *, side_effects, loc=None, ip=None):
-    """An instruction with four results of ``kind`` (Int32 or Float32), returned as a tuple."""
+def _asm_4(kind, values, text, constraints, *, side_effects, count=4, loc=None, ip=None):
+    """An instruction with ``count`` (default four) results of ``kind`` (Int32 or Float32), returned as a tuple."""
     ir_type = T.i32() if kind is Int32 else T.f32()
     name = "i32" if kind is Int32 else "f32"
-    struct = ir.Type.parse(f"!llvm.struct<({name}, {name}, {name}, {name})>")
+    struct = ir.Type.parse(f"!llvm.struct<({', '.join([name] * count)})>")
     res = llvm.inline_asm(struct, values, text, constraints, has_side_effects=side_effects, loc=loc, ip=ip)
-    return tuple(kind(llvm.extractvalue(ir_type, res, [i], loc=loc, ip=ip)) for i in range(4))
+    return tuple(kind(llvm.extractvalue(ir_type, res, [i], loc=loc, ip=ip)) for i in range(count))
 
 
 def _asm_void(values, text, constraints, *, loc=None, ip=None) -> None:
@@ -80,6 +80,14 @@ def half_sums(a, b, *, loc=None, ip=None) -> Int32:
     )
     return _asm_i32([a, b], text, "=r,r,r", loc=loc, ip=ip)
 
+
+
+@dsl_user_op
+def half2_to_f32(x, *, loc=None, ip=None):
+    """The two fp16 halves of x (low half first), widened to Float32."""
+    text = "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi;}"
+    values = [Int32(x).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Float32, values, text, "=f,=f,r", side_effects=False, count=2, loc=loc, ip=ip)
 
 
 @dsl_user_op

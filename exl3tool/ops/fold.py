@@ -1,0 +1,67 @@
+"""The large-M linear: fold both rotations into the weight once per plan, then one cuBLAS GEMM per call.
+
+    fold_builder(cfg, options) / fold_launcher(fn, lin, out_t)   the fold kernel's builder and launcher
+    folded_weight(lin, dtype)                                     W'^T (out_p, in_p) = (diag(suh) Hbd W_hat Hbd diag(svh))^T
+    folded_forward(x, w_fold_t, lin, out)                         y = x @ W'[:in, :out] (+ bias): no rotation passes
+
+Where the decode GEMM pays rotations and a split-K reduction per call, this path pays one weight-sized write per
+fold (the weight is the same on every call, so a plan may keep it) and then runs at cuBLAS fp16 speed.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from exl3tool.format import Codebook
+from exl3tool.kernels.fold import Fold, FoldConfig
+from exl3tool.kernels.rotate import DTYPES
+from exl3tool.kernels.trellis import TrellisPlan
+from exl3tool.ops.runtime import compile_cached, target_arch
+
+_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _dense(dtype, *shape, align=16):
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+                                    assumed_align=align)
+
+
+def fold_builder(cfg: FoldConfig, options: str):
+    in_p, out_p = cute.sym_int(), cute.sym_int()
+    w = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
+    suh, svh = _dense(cutlass.Float16, in_p, align=2), _dense(cutlass.Float16, out_p, align=2)
+    out = _dense(DTYPES[cfg.out_dtype], out_p, in_p)
+    return cute.compile(Fold(cfg), w, suh, svh, out, make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
+
+
+def fold_config(lin, dtype: torch.dtype) -> FoldConfig:
+    return FoldConfig(float(lin.info.bits), Codebook(lin.info.codebook).value, _NAMES[dtype])
+
+
+def fold_launcher(fn, lin, out_t: torch.Tensor):
+    """``launch()``: W'^T into ``out_t`` (out_p, in_p)."""
+    return lambda: fn(lin.words, lin.suh, lin.svh, out_t)
+
+
+def folded_weight(lin, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W'^T ``(out_p, in_p)`` in the activations' dtype (fp16 or bf16)."""
+    cfg = fold_config(lin, dtype)
+    fn = compile_cached(("FoldConfig", cfg), target_arch(lin.device), lambda options: fold_builder(cfg, options))
+    info = lin.info
+    if out is None:
+        out = torch.empty((info.out_padded, info.in_padded), dtype=dtype, device=lin.device)
+    fold_launcher(fn, lin, out)()
+    return out
+
+
+def folded_forward(x: torch.Tensor, w_fold_t: torch.Tensor, lin, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [M, out_features] = x @ W' + bias`` with x ``[M, in_features]`` in W'^T's dtype (cuBLAS reads the
+    true-size corner of W'^T in place: no padding copy)."""
+    info = lin.info
+    w = w_fold_t[: info.out_features, : info.in_features].t()
+    if lin.bias is None:
+        return torch.mm(x, w, out=out)
+    return torch.addmm(lin.bias[: info.out_features].to(x.dtype), x, w, out=out)

@@ -1,0 +1,48 @@
+"""The fold kernel (W' = diag(suh) Hbd W_hat Hbd diag(svh), one rounding) and the large-M path built on it, against
+the fp32 reference on fresh random inputs, outputs NaN-poisoned first."""
+
+import random
+
+import pytest
+import torch
+
+from exl3tool.ops.fold import folded_forward, folded_weight
+from exl3tool.reference import linear_forward
+from exl3tool.reference.linear import reconstruct
+from tests.gpu.test_linear_kernels import CASES, cosine, device_linear, poisoned, rel_l2
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_folded_weight_is_the_reconstruction_rounded_once(seed, dtype):
+    rng = random.Random(seed)
+    for bits, codebook in [(4.0, "mcg")] + rng.sample(CASES, 3):
+        in_f, out_f = rng.randrange(64, 700), rng.randrange(64, 700)
+        tensors, lin = device_linear(seed, in_f, out_f, bits, codebook)
+        out = poisoned((lin.info.out_padded, lin.info.in_padded), dtype)
+        got = folded_weight(lin, dtype, out=out).float().cpu()
+        ref = reconstruct(tensors).t()
+        eps = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+        # fp32 rotations (reordered sums: ~1e-6 relative), then one round-to-nearest: half an ulp, plus subnormals.
+        err = (got - ref).abs()
+        assert torch.all(err <= ref.abs() * eps * 1.01 + 1e-6 * ref.abs().max()), (
+            f"seed={seed} K={bits} {codebook} {in_f}x{out_f} max err {err.max().item():.3g}")
+
+
+@pytest.mark.parametrize("tokens", [1, 130, 1000])
+def test_folded_forward_matches_reference(seed, tokens):
+    rng = random.Random(seed)
+    bits, codebook = rng.choice(CASES)
+    in_f, out_f = rng.randrange(64, 1200), rng.randrange(64, 1200)
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    tensors, lin = device_linear(seed, in_f, out_f, bits, codebook, bias=rng.random() < 0.5)
+    x = torch.randn(tokens, in_f, dtype=dtype, device="cuda")
+    w = folded_weight(lin, dtype)
+    got = folded_forward(x, w, lin, out=poisoned((tokens, out_f), dtype))
+    ref = linear_forward(x, tensors)
+    what = f"seed={seed} K={bits} {codebook} {in_f}x{out_f} M={tokens} {dtype}"
+    assert got.shape == ref.shape and torch.isfinite(got).all(), what
+    # The GEMM paths' tolerance (tests/gpu/test_linear_kernels.py, fp32 outputs) beyond rounding y to its dtype.
+    assert rel_l2(got, ref) <= 2e-3 + rel_l2(ref.to(dtype), ref), what
+    assert cosine(got, ref) >= 0.99999, what
