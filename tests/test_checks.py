@@ -317,6 +317,108 @@ def test_malformed_config_value(dense):
     assert p["file"] == "config.json" and "hidden_size" in p["message"]
 
 
+def _edit_config(path, **values):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in values.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("hidden_size", [256]), ("hidden_size", 256.0), ("num_attention_heads", {"a": 1}), ("model_type", ["llama"]),
+    ("architectures", {"x": 1}), ("tie_word_embeddings", "yes"), ("num_hidden_layers", 10**9),
+    ("hidden_size", 1 << 40), ("num_hidden_layers", 0),
+])
+def test_config_values_of_the_wrong_type_or_size(dense, key, value):
+    """A value no model has is a problem and reads as absent: never a TypeError, never a billion-layer loop."""
+    _edit_config(dense, **{key: value})
+    code, report, _, _ = inspect(dense)
+    assert code == 1
+    p = next(p for p in report["problems"] if p["check"] == "config-value")
+    assert p["file"] == "config.json" and p["message"].startswith(key)
+
+
+@pytest.mark.parametrize("bits", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_json_numbers_in_the_config_are_refused(dense, bits):
+    """Python's json reads NaN/Infinity; written back into inspect -f json or manifest.json they are not JSON."""
+    text = (dense / "config.json").read_text().replace('"bits": 4', f'"bits": {bits}')
+    assert bits in text
+    (dense / "config.json").write_text(text)
+    code, error, _, stderr = inspect(dense)
+    assert code == 2 and "config.json: malformed JSON: " in error["error"]["message"], error
+    assert len(stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("qc, words", [({"bits": 0.5}, "bits = 0.5 is not a number from 1 to 16"),
+                                       ({"version": [1]}, "version = [1] is not a string")])
+def test_quantization_config_values(dense, qc, words):
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"].update(qc)
+    (dense / "config.json").write_text(json.dumps(config))
+    code, report, _, _ = inspect(dense)
+    assert code == 1 and [p["message"] for p in report["problems"]] == [words]
+
+
+def test_missing_layers_are_one_problem_per_gap(dense):
+    _edit_config(dense, num_hidden_layers=5000)
+    code, report, _, _ = inspect(dense)
+    assert code == 1
+    assert [(p["check"], p["tensor"], p["message"]) for p in report["problems"]] == [
+        ("missing-layer", "model.layers.1", "layers 1..4999 of 5000 are missing: no EXL3 linears")]
+
+
+def test_top_k_beyond_the_experts(moe):
+    """Claimed sound but wrong: the reference would raise a raw torch error. Now a problem, and refused."""
+    _edit_config(moe, num_experts_per_tok=9)
+    p = assert_problem(moe, "config-value", "config.json", "model.layers.0.mlp")
+    assert p["message"] == "num_experts_per_tok = 9 is more than the 4 experts"
+    with exl3tool.open_checkpoint(moe) as ckpt:
+        with pytest.raises(CheckpointProblemsError, match="num_experts_per_tok"):
+            ckpt.reference_forward("model.layers.0.mlp", torch.zeros(1, 256))
+
+
+def test_routing_groups_that_do_not_divide_the_experts(tmp_path):
+    path = write_checkpoint(tmp_path / "ds", ModelSpec(arch="deepseek_v3", num_layers=1, num_experts=3, top_k=1,
+                                                       embeddings=False))
+    p = assert_problem(path, "config-value", "config.json", "model.layers.0.mlp")
+    assert p["message"] == "n_group = 2 does not divide the 3 experts"
+
+
+def test_dense_model_type_with_experts(moe):
+    _edit_config(moe, model_type="llama")
+    p = assert_problem(moe, "model-type", "config.json", "model.layers.0.mlp")
+    assert "'llama' is a dense architecture" in p["message"]
+
+
+def test_experts_the_config_does_not_declare(moe):
+    _edit_config(moe, num_experts=None)
+    p = assert_problem(moe, "expert-count", "config.json", "model.layers.0.mlp")
+    assert "declares no experts" in p["message"] and "stores 4" in p["message"]
+
+
+def test_expert_numbers_far_beyond_the_config(moe):
+    from exl3tool.synthetic import linear_state_dict, random_linear
+
+    name = "model.layers.0.mlp.experts.999999999.up_proj"
+    edit_checkpoint(moe, add=linear_state_dict(random_linear(256, 128, 4, "mcg", seed=1, name=name)))
+    assert_problem(moe, "expert-count", FILE, "model.layers.0.mlp.experts.999999999")
+
+
+def test_problem_lists_are_capped_per_check(dense):
+    from exl3tool.inspection import PROBLEMS_PER_CHECK
+
+    extra = {f"junk.{i}.weight": torch.zeros(1, dtype=torch.int16) for i in range(PROBLEMS_PER_CHECK + 7)}
+    edit_checkpoint(dense, add=extra)
+    code, report, human, _ = inspect(dense)
+    assert code == 1 and report["problems_left_out"] == {"unknown-tensor": 7}
+    assert len(report["problems"]) == PROBLEMS_PER_CHECK
+    assert f"Problems ({PROBLEMS_PER_CHECK + 7})" in human and "  ... and 7 more unknown-tensor" in human
+    assert human.count("unknown-tensor") == 1 and human.count("[unsupported]") == PROBLEMS_PER_CHECK
+
+
 def test_problems_are_collected_not_stop_at_first(dense, moe):
     edit_checkpoint(dense, drop=[f"{Q}.suh"], replace={f"{GATE}.mcg": torch.tensor(1, dtype=torch.int32)},
                     add={"junk.trellis": torch.zeros(8, dtype=torch.int16)})
@@ -330,6 +432,38 @@ def _names(path):
 
     with safe_open(path / FILE, "pt") as f:
         return list(f.keys())
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"__metadata__": {"format": 1}}, "__metadata__ value 'format' is 1, not a string"),
+    ({"__metadata__": ["pt"]}, "__metadata__ is ['pt'], not a map of strings"),
+    ({"t": {"dtype": ["F16"], "shape": [1], "data_offsets": [0, 2]}}, "unknown dtype ['F16']"),
+    ({"t": {"dtype": {"F16": 1}, "shape": [1], "data_offsets": [0, 2]}}, "unknown dtype an object of 1 key(s)"),
+    ({"t": {"dtype": "F16", "shape": [[[[1]]]], "data_offsets": [0, 2]}}, "malformed shape a list of 1 item(s)"),
+    ({"t": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2.0]}}, "malformed data_offsets [0, 2.0]"),
+])
+def test_header_values_of_the_wrong_type(dense, entry, words):
+    header = json.dumps(entry).encode()
+    data = b"\0\0" if "t" in entry else b""
+    (dense / FILE).write_bytes(struct.pack("<Q", len(header)) + header + data)
+    code, report, _, _ = inspect(dense)
+    assert code == 2
+    p = report["problems"][0]
+    assert p["check"] == "safetensors" and words in p["message"], p
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_deeply_nested_json(dense, depth):
+    """Nesting that would overflow the stack (or a recursive walk) is malformed input: exit 2, one line."""
+    nested = "[" * depth + "]" * depth
+    header = ('{"__metadata__": {"a": "b"}, "t": {"dtype": "F16", "shape": ' + nested + ', "data_offsets": [0, 0]}}')
+    (dense / FILE).write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    code, report, _, _ = inspect(dense)
+    assert code == 2 and report["problems"][0]["check"] == "safetensors"
+    (dense / "config.json").write_text('{"quantization_config": {"quant_method": "exl3"}, "x": ' + nested + "}")
+    code, error, _, stderr = inspect(dense)
+    assert code == 2 and "config.json: malformed JSON: nested" in error["error"]["message"]
+    assert len(stderr.splitlines()) == 1
 
 
 # --- shards and the index --------------------------------------------------------------------------------
@@ -363,6 +497,31 @@ def test_index_names_a_path_outside_the_folder(sharded, target):
     _rewrite_index(sharded, lambda m: m.update({"model.norm.weight": target}))
     p = assert_problem(sharded, "index-file", "model.safetensors.index.json", "model.norm.weight", exit_code=2)
     assert "outside the checkpoint folder" in p["message"]
+
+
+@pytest.mark.parametrize("target, words", [("a\x00b.safetensors", "'a\\x00b.safetensors', not a file name"),
+                                           ("", "'', not a file name"), ("sub", "'sub', which does not exist"),
+                                           (".", "'.', a folder, not a regular file")])
+def test_index_names_that_are_not_files(sharded, target, words):
+    _rewrite_index(sharded, lambda m: m.update({"model.norm.weight": target}))
+    code, report, human, _ = inspect(sharded)
+    p = next(p for p in report["problems"] if p["check"] == "index-file")
+    assert code == 2 and p["tensor"] == "model.norm.weight" and p["message"] == f"the index names {words}"
+    assert len([line for line in human.splitlines() if "the index names" in line]) == 1
+
+
+def test_index_names_inside_the_folder_by_any_path(sharded):
+    """Only where a name points lexically matters: `sub/../x` stays inside, and a shard may be a symlink
+    out of the folder (as every shard of a Hugging Face hub snapshot is)."""
+    shard = "model-00001-of-00003.safetensors"
+    (sharded / "sub").mkdir()
+    outside = sharded.parent / "blobs" / "0123abcd"
+    outside.parent.mkdir()
+    (sharded / shard).rename(outside)
+    (sharded / shard).symlink_to(f"../blobs/{outside.name}")
+    _rewrite_index(sharded, lambda m: m.update({k: f"sub/../{v}" for k, v in m.items() if v == shard}))
+    code, report, _, _ = inspect(sharded)
+    assert code == 0 and report["summary"]["files"] == 3, report["problems"]
 
 
 def test_index_places_a_tensor_in_a_file_without_it(sharded):

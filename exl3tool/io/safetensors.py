@@ -98,9 +98,12 @@ def read_header(path: Path, display_name: str) -> SafetensorsHeader:
         fail(f"malformed safetensors header: {e.message.removeprefix('malformed JSON: ')}")
     if not isinstance(header, dict):
         fail("malformed safetensors header: not a JSON object")
-    metadata = header.get("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        fail(f"__metadata__ is {brief(metadata)}, not a map of strings to strings (the safetensors format's rule)")
+    metadata = header.get("__metadata__", {})  # the safetensors library refuses a file whose metadata is not
+    if not isinstance(metadata, dict):        # a map of strings to strings
+        fail(f"__metadata__ is {brief(metadata)}, not a map of strings to strings")
+    odd = next((k for k, v in metadata.items() if not isinstance(v, str)), None)
+    if odd is not None:
+        fail(f"__metadata__ value {brief(odd)} is {brief(metadata[odd])}, not a string")
 
     data_start = 8 + header_len
     data_size = file_size - data_start
