@@ -1,0 +1,334 @@
+"""The fused MoE layer on the GPU: routing, both grouped decode GEMMs and the top-k sum in 2 + 4*groups launches.
+
+    DeviceMoE.from_layer(moe_layer, device)    the stacked expert groups as the kernels read them: zero-copy
+                                               from ``load_prepared(..., device="cuda").moe(n)`` (or a source
+                                               checkpoint's ``moe(n, device)``); shared experts become one more
+                                               group of one expert that every token routes to
+    plan_moe(dmoe, max_tokens, x_dtype=torch.float16, out_dtype=None) -> MoEPlan   scratch for up to max_tokens
+    moe_forward(x, plan, out=None, topk_ids=None, topk_weights=None) -> y [M, hidden]
+
+Per call (no host sync, no allocation; CUDA-graph capturable once each M was run eagerly, which compiles):
+  1 route       logits (fp32), top-k per ``Routing`` (or the caller's ids/weights), routes packed by expert
+  per expert group (one K and codebook):
+  2 rotate      per packed route: H128(x * gate_suh), H128(x * up_suh) of its expert -> fp16
+  3 gate/up     decode GEMM from w13 (split-K partials, fp32)
+  4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16
+  5 down        decode GEMM from w2 (split-K partials, fp32)
+  6 top-k sum   per token: output rotation * down_svh of each route's expert, weighted, summed in slot order
+Each token's result depends only on its own routes (rows are computed independently, sums in fixed order), so
+it does not depend on the rest of the batch for a given plan and M.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from exl3tool.errors import UnsupportedFeatureError
+from exl3tool.format import Codebook
+from exl3tool.kernels.moe_gemm import MoEGemmConfig
+from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
+from exl3tool.kernels.moe_route import TOKENS_PER_CTA, MoERouteConfig
+from exl3tool.ops import moe_kernels as K
+from exl3tool.ops.runtime import require_gpu, target_arch
+
+CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
+BLOCK_ROWS = (8, 16, 32, 64)  # route block = GEMM tokens per CTA, by the mean routes per expert
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class DeviceExpertGroup:
+    """One expert group as the kernels read it (views of the stacked tensors, no copies)."""
+
+    experts: tuple[int, ...]  # global ids (the shared expert is id E)
+    w13_bits: float
+    w13_codebook: str
+    w2_bits: float
+    w2_codebook: str
+    intermediate: int
+    intermediate_padded: int
+    w13: torch.Tensor  # int32 [2, E_g, H_p/16, I_p/16, 8K]
+    w2: torch.Tensor  # int32 [1, E_g, I_p/16, H_p/16, 8K]
+    gate_suh: torch.Tensor  # fp16 [E_g, H_p]
+    up_suh: torch.Tensor
+    rotations: torch.Tensor  # fp16 [E_g, 3*I_p]: gate_svh | up_svh | down_suh
+    down_svh: torch.Tensor  # fp16 [E_g, H_p]
+    group_row: torch.Tensor = None  # int32 [E']: row of each expert in this group, -1 elsewhere
+
+
+@dataclass
+class DeviceMoE:
+    name: str
+    num_experts: int
+    hidden: int
+    hidden_padded: int
+    route: MoERouteConfig  # without x_dtype (set per plan)
+    router: torch.Tensor  # fp16 [E (+1 gate row), hidden]
+    correction_bias: torch.Tensor | None  # fp32 [E]
+    groups: list[DeviceExpertGroup]
+    down_svh: torch.Tensor  # fp16 [rows, H_p]: every expert's down_svh
+    svh_row: torch.Tensor  # int32 [E']: its row there
+
+    @property
+    def device(self) -> torch.device:
+        return self.router.device
+
+    @classmethod
+    def from_layer(cls, moe, device=None) -> "DeviceMoE":
+        """From an ``exl3tool.reader.MoELayer`` (prepared folder or source checkpoint); tensors already on
+        ``device`` are used in place."""
+        device = require_gpu(device if device is not None else moe.router.device)
+        r = moe.routing
+        if r.method not in ("softmax_topk", "sigmoid_noaux_tc"):
+            raise UnsupportedFeatureError(f"MoE routing {r.method!r} has no fused kernel", tensor=moe.name)
+        if moe.hidden % 4:
+            raise UnsupportedFeatureError(f"hidden size {moe.hidden} is not a multiple of 4", tensor=moe.name)
+        on = lambda t, dtype=None: t.to(device=device, dtype=dtype or t.dtype).contiguous()  # noqa: E731
+        groups = [_group(g, on, moe.name) for g in moe.groups]
+        shared = "none"
+        router = on(moe.router, torch.float16)
+        if moe.shared is not None:
+            groups.append(_shared_group(moe.shared, moe.num_experts, on, moe.name))
+            if moe.shared_gate is not None:
+                shared = "gated"
+                router = torch.cat([router, on(moe.shared_gate, torch.float16).reshape(1, -1)])
+            else:
+                shared = "ungated"
+        if not torch.equal(router[: moe.num_experts].float(), moe.router.to(device).float()):
+            raise UnsupportedFeatureError("the router is not representable in fp16", tensor=moe.name)
+        packed = moe.num_experts + (shared != "none")
+        row = 0
+        svh_row = torch.empty(packed, dtype=torch.int32)
+        for g in groups:
+            table = torch.full((packed,), -1, dtype=torch.int32)
+            for p, e in enumerate(g.experts):
+                table[e] = p
+                svh_row[e] = row + p
+            g.group_row = table.to(device)
+            row += len(g.experts)
+        single = len(groups) == 1 and groups[0].experts == tuple(range(moe.num_experts))
+        down_svh = groups[0].down_svh if single else torch.cat([g.down_svh for g in groups])
+        cfg = MoERouteConfig(r.method, moe.num_experts, r.top_k, r.normalize, float(r.scale), r.n_group,
+                             r.topk_group, moe.correction_bias is not None, shared)
+        bias = None if moe.correction_bias is None else on(moe.correction_bias, torch.float32)
+        return cls(moe.name, moe.num_experts, moe.hidden, moe.hidden_padded, cfg, router, bias, groups, down_svh,
+                   svh_row.to(device))
+
+
+def _check_group(name, what, w13_bits, w13_cb, w2_bits, w2_cb, biased):
+    if biased:
+        raise UnsupportedFeatureError(f"{what} with biases have no fused kernel", tensor=name)
+    for bits, cb in ((w13_bits, w13_cb), (w2_bits, w2_cb)):
+        try:
+            MoEGemmConfig(bits, Codebook(cb).value, 1)
+        except ValueError as err:
+            raise UnsupportedFeatureError(f"{what}: {err}", tensor=name) from None
+
+
+def _group(g, on, name) -> DeviceExpertGroup:
+    _check_group(name, "experts", g.w13_bits, g.w13_codebook, g.w2_bits, g.w2_codebook,
+                 g.w13_bias is not None or g.w2_bias is not None)
+    w2 = on(g.w2)
+    return DeviceExpertGroup(
+        tuple(g.experts), g.w13_bits, Codebook(g.w13_codebook).value, g.w2_bits, Codebook(g.w2_codebook).value,
+        g.intermediate, g.intermediate_padded, K.as_words(on(g.w13)), K.as_words(w2).unsqueeze(0),
+        on(g.gate_suh), on(g.up_suh), on(g.intermediate_rotations), on(g.down_svh))
+
+
+def _shared_group(mlp, expert_id: int, on, name) -> DeviceExpertGroup:
+    """The shared experts (one dense gated MLP) as a group of one expert: stacked once at plan time."""
+    gate, up, down = mlp.gate, mlp.up, mlp.down
+    if (gate.info.bits, gate.info.codebook) != (up.info.bits, up.info.codebook):
+        raise UnsupportedFeatureError("shared expert gate and up differ in K or codebook", tensor=name)
+    _check_group(name, "shared experts", gate.info.bits, gate.info.codebook, down.info.bits, down.info.codebook,
+                 any(t.bias is not None for t in (gate, up, down)))
+    w13 = torch.stack([on(gate.trellis), on(up.trellis)]).unsqueeze(1)
+    rotations = torch.cat([on(gate.svh), on(up.svh), on(down.suh)]).unsqueeze(0)
+    return DeviceExpertGroup(
+        (expert_id,), gate.info.bits, Codebook(gate.info.codebook).value, down.info.bits,
+        Codebook(down.info.codebook).value, gate.info.out_features, gate.info.out_padded,
+        K.as_words(w13.contiguous()), K.as_words(on(down.trellis)).unsqueeze(0).unsqueeze(0),
+        on(gate.suh).unsqueeze(0), on(up.suh).unsqueeze(0), rotations.contiguous(), on(down.svh).unsqueeze(0))
+
+
+# --- planning ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one M needs: route block, blocks bound, split-K of both GEMMs (the same for every group)."""
+
+    tokens: int
+    block_rows: int
+    blocks: int
+    splits13: int
+    splits2: int
+
+    @property
+    def rows(self) -> int:
+        return self.blocks * self.block_rows
+
+
+def _splits(ctas: int, k_tiles: int, stage: int, sm_count: int) -> int:
+    max_splits = max(1, k_tiles // (2 * stage))
+    splits = min(max(1, math.ceil(CTAS_PER_SM * sm_count / max(ctas, 1))), max_splits)
+    per_split = math.ceil(k_tiles / splits / stage) * stage
+    return math.ceil(k_tiles / per_split)
+
+
+def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, warps: int = 4, stage: int = 8) -> StepShape:
+    cfg = dmoe.route
+    k = cfg.routes_per_token
+    routes = tokens * k
+    mean = tokens * cfg.top_k / cfg.num_experts
+    block_rows = next((b for b in BLOCK_ROWS if mean <= b), BLOCK_ROWS[-1])
+    # every expert that gets a route needs at most one partly filled block
+    blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
+    i_p = max(g.intermediate_padded for g in dmoe.groups)
+    splits13 = _splits(2 * i_p // 16 // warps * blocks, dmoe.hidden_padded // 16, stage, sm_count)
+    splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
+    return StepShape(tokens, block_rows, blocks, splits13, splits2)
+
+
+@dataclass
+class _Step:
+    shape: StepShape
+    launches: list = field(default_factory=list)  # (launcher, compiled fn, args) run in order
+    y: torch.Tensor | None = None
+
+
+class MoEPlan:
+    """Scratch for up to ``max_tokens`` tokens, allocated once; per M the configs, compiled kernels and views."""
+
+    def __init__(self, dmoe: DeviceMoE, max_tokens: int, x_dtype=torch.float16, out_dtype=None):
+        self.dmoe, self.max_tokens = dmoe, max_tokens
+        self.x_dtype, self.out_dtype = x_dtype, out_dtype or x_dtype
+        device = dmoe.device
+        self.arch = target_arch(device)
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        cfg = dmoe.route
+        k, e_r = cfg.routes_per_token, cfg.router_rows
+        shapes = [step_shape(dmoe, m, self.sm_count) for m in range(1, max_tokens + 1)]
+        h_p = dmoe.hidden_padded
+        i_p = max(g.intermediate_padded for g in dmoe.groups)
+        rows = max(s.rows for s in shapes)
+        new = lambda n, dtype: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
+        self.logits = new(max_tokens * e_r, torch.float32)
+        self.ids = new(max_tokens * k, torch.int32)
+        self.weights = new(max_tokens * k, torch.float32)
+        self.counters = torch.zeros(math.ceil(max_tokens / TOKENS_PER_CTA) + 1, dtype=torch.int32, device=device)
+        self.block_expert = new(max(s.blocks for s in shapes), torch.int32)
+        self.row_route = new(rows, torch.int32)
+        self.route_row = new(max_tokens * k, torch.int32)
+        self.xr = new(2 * rows * h_p, torch.float16)
+        self.p13 = new(max(s.splits13 * s.rows for s in shapes) * 2 * i_p, torch.float32)
+        self.x2 = new(rows * i_p, torch.float16)
+        self.p2 = new(max(s.splits2 * s.rows for s in shapes) * h_p, torch.float32)
+        self.y = new(max_tokens * dmoe.hidden, self.out_dtype)
+        self.dummy_i32 = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        self.dummy_f32 = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        self._steps: dict[tuple[int, bool], _Step] = {}
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.logits, self.ids, self.weights, self.block_expert,
+                                                          self.row_route, self.route_row, self.xr, self.p13,
+                                                          self.x2, self.p2, self.y))
+
+    def launches(self, tokens: int) -> int:
+        return 2 + 4 * len(self.dmoe.groups)
+
+    def step(self, tokens: int, given: bool) -> _Step:
+        key = (tokens, given)
+        if key not in self._steps:
+            self._steps[key] = self._make_step(tokens, given)
+        return self._steps[key]
+
+    def _make_step(self, tokens: int, given: bool) -> _Step:
+        d, arch = self.dmoe, self.arch
+        s = step_shape(d, tokens, self.sm_count)
+        cfg = d.route
+        k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
+        route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype])
+        step = _Step(s)
+        logits = self.logits[: tokens * e_r].view(tokens, e_r)
+        ids = self.ids[: tokens * k].view(tokens, k)
+        weights = self.weights[: tokens * k].view(tokens, k)
+        block_expert = self.block_expert[: s.blocks]
+        row_route = self.row_route[:rows]
+        route_row = self.route_row[: tokens * k]
+        xr = self.xr[: 2 * rows * h_p].view(2, rows, h_p)
+        step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
+        bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
+        step.route = (K.compiled(route_cfg, arch), logits, ids, weights, block_expert, row_route, route_row, bias)
+        rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype]), arch)
+        inter = K.compiled(IntermediateConfig(), arch)
+        p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
+        tg = s.block_rows // 8
+        for g in d.groups:
+            i_p = g.intermediate_padded
+            p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
+            x2 = self.x2[: rows * i_p].view(rows, i_p)
+            g13 = MoEGemmConfig(g.w13_bits, g.w13_codebook, 2, token_groups=tg)
+            g2 = MoEGemmConfig(g.w2_bits, g.w2_codebook, 1, token_groups=tg)
+            per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
+            per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
+            step.launches += [
+                (K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, row_route, block_expert,
+                                                g.group_row, k, s.block_rows)),
+                (K.launch_gemm, K.compiled(g13, arch), (K.as_words(xr), g.w13, p13, block_expert, g.group_row,
+                                                        per13)),
+                (K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert, g.group_row,
+                                                g.intermediate, s.block_rows)),
+                (K.launch_gemm, K.compiled(g2, arch), (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert,
+                                                       g.group_row, per2)),
+            ]
+        step.final = (K.compiled(TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype]), arch), p2, ids, weights,
+                      route_row)
+        return step
+
+
+def _per_split(k_tiles: int, splits: int, stage: int) -> int:
+    """k-tiles per split (whole stages) so that exactly ``splits`` splits cover k_tiles; later ones may be empty
+    (they write zeros), so every group fills the same partials."""
+    return math.ceil(k_tiles / splits / stage) * stage
+
+
+def plan_moe(dmoe: DeviceMoE, max_tokens: int, x_dtype=torch.float16, out_dtype=None) -> MoEPlan:
+    return MoEPlan(dmoe, max_tokens, x_dtype, out_dtype)
+
+
+def moe_forward(x: torch.Tensor, plan: MoEPlan, out: torch.Tensor | None = None,
+                topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, hidden] (plan.out_dtype) of the MoE layer for x [M, hidden] (plan.x_dtype, contiguous). Without
+    ``out`` the result is a view of the plan's own buffer, overwritten by the next call. ``topk_ids`` int32 /
+    ``topk_weights`` fp32 [M, top_k] replace the router's choice (the shared experts still run)."""
+    d = plan.dmoe
+    tokens = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != d.hidden or x.dtype != plan.x_dtype or not x.is_contiguous():
+        raise ValueError(f"{d.name}: x must be a contiguous {plan.x_dtype} [M, {d.hidden}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if not 1 <= tokens <= plan.max_tokens:
+        raise ValueError(f"{d.name}: {tokens} tokens; this plan takes 1..{plan.max_tokens}")
+    given = topk_ids is not None
+    step = plan.step(tokens, given)
+    fn, logits, ids, weights, block_expert, row_route, route_row, bias = step.route
+    gi, gw = (topk_ids, topk_weights) if given else (plan.dummy_i32, plan.dummy_f32)
+    K.launch_route(fn, x, d.router, bias, gi, gw, logits, ids, weights, plan.counters, block_expert, row_route,
+                   route_row, step.shape.block_rows)
+    for launch, fn, args in step.launches:
+        launch(fn, *((x,) + args[1:] if args[0] is None else args))
+    y = step.y if out is None else out
+    fn, p2, ids, weights, route_row = step.final
+    K.launch_topk_sum(fn, p2, d.down_svh, d.svh_row, ids, weights, route_row, y)
+    return y
+
+
+def routes(plan: MoEPlan, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids int32, topk_weights fp32) [M, k'] of the last call with M tokens (views of the plan's scratch;
+    column k is the shared expert when there is one)."""
+    k = plan.dmoe.route.routes_per_token
+    return plan.ids[: tokens * k].view(tokens, k), plan.weights[: tokens * k].view(tokens, k)

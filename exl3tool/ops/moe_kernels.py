@@ -1,0 +1,117 @@
+"""Builders and launchers of the fused MoE kernels, side by side: each kernel's argument list is spelled here once.
+
+A builder compiles with fake tensors (dynamic dims as SymInts, 16-byte aligned) and TVM FFI's environment
+stream; a launcher calls the compiled function with torch tensors, which TVM FFI checks (dtype, rank, alignment)
+and launches on torch's current stream, so the launches are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from exl3tool.kernels.moe_gemm import MoEGemm, MoEGemmConfig
+from exl3tool.kernels.moe_rotate import (
+    Intermediate, IntermediateConfig, RouteInputRotation, RouteInputRotationConfig, TopKSum, TopKSumConfig,
+)
+from exl3tool.kernels.moe_route import MoERoute, MoERouteConfig
+from exl3tool.ops.runtime import compile_cached
+
+F16, BF16, F32, I32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+_CUTE = {"float16": F16, "bfloat16": BF16, "float32": F32}
+TVM_FFI = "--enable-tvm-ffi"
+
+
+def _fake(dtype, *dims):
+    """Row-major fake tensor; ints are static dims, None a fresh SymInt, a SymInt is reused as given."""
+    shape = tuple(cute.sym_int() if d is None else d for d in dims)
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape)))[::-1],
+                                                 assumed_align=16)
+
+
+def _compile(kernel, args, options: str):
+    if TVM_FFI not in options:
+        options = f"{TVM_FFI} {options}"
+    return cute.compile(kernel, *args, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
+
+
+# --- builders ------------------------------------------------------------------------------------------------
+
+
+def build_route(cfg: MoERouteConfig, options: str):
+    m, h = cute.sym_int(), cute.sym_int()
+    args = [_fake(_CUTE[cfg.x_dtype], m, h), _fake(F16, None, h), _fake(F32, None), _fake(I32, None, None),
+            _fake(F32, None, None), _fake(F32, m, None), _fake(I32, m, None), _fake(F32, m, None), _fake(I32, None),
+            _fake(I32, None), _fake(I32, None), _fake(I32, None), 0]
+    return _compile(MoERoute(cfg), args, options)
+
+
+def build_gemm(cfg: MoEGemmConfig, options: str):
+    rows = cute.sym_int()
+    words = int(16 * cfg.bits) // 2
+    args = [_fake(I32, cfg.planes, rows, None), _fake(I32, cfg.planes, None, None, None, words),
+            _fake(F32, None, rows, None), _fake(I32, None), _fake(I32, None), 0]
+    return _compile(MoEGemm(cfg), args, options)
+
+
+def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
+    args = [_fake(_CUTE[cfg.x_dtype], None, None), _fake(F16, None, None), _fake(F16, None, None),
+            _fake(F16, 2, None, None), _fake(I32, None), _fake(I32, None), _fake(I32, None), 0, 0]
+    return _compile(RouteInputRotation(cfg), args, options)
+
+
+def build_intermediate(cfg: IntermediateConfig, options: str):
+    args = [_fake(F32, None, None, None), _fake(F16, None, None), _fake(F16, None, None), _fake(I32, None),
+            _fake(I32, None), _fake(I32, None), 0, 0]
+    return _compile(Intermediate(), args, options)
+
+
+def build_topk_sum(cfg: TopKSumConfig, options: str):
+    m = cute.sym_int()
+    args = [_fake(F32, None, None, None), _fake(F16, None, None), _fake(I32, None), _fake(I32, m, cfg.routes_per_token),
+            _fake(F32, m, cfg.routes_per_token), _fake(I32, None), _fake(_CUTE[cfg.out_dtype], m, None)]
+    return _compile(TopKSum(cfg), args, options)
+
+
+BUILDERS = {
+    MoERouteConfig: build_route, MoEGemmConfig: build_gemm, RouteInputRotationConfig: build_input_rotation,
+    IntermediateConfig: build_intermediate, TopKSumConfig: build_topk_sum,
+}
+
+
+def compiled(cfg, arch: str):
+    return compile_cached(("moe", type(cfg).__name__, cfg), arch, partial(BUILDERS[type(cfg)], cfg))
+
+
+# --- launchers (argument order = the kernels' __call__) -----------------------------------------------------
+
+
+def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, counters, block_expert, row_route,
+                 route_row, block_rows: int):
+    fn(x, router, bias, given_ids, given_w, logits, ids, w, counters, block_expert, row_route, route_row, block_rows)
+
+
+def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int):
+    fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split)
+
+
+def launch_input_rotation(fn, x, gate_suh, up_suh, xr, row_route, block_expert, group_row, routes_per_token: int,
+                          block_rows: int):
+    fn(x, gate_suh, up_suh, xr, row_route, block_expert, group_row, routes_per_token, block_rows)
+
+
+def launch_intermediate(fn, partials, rotations, x2, row_route, block_expert, group_row, inter_true: int,
+                        block_rows: int):
+    fn(partials, rotations, x2, row_route, block_expert, group_row, inter_true, block_rows)
+
+
+def launch_topk_sum(fn, partials, svh, svh_row, ids, w, route_row, y):
+    fn(partials, svh, svh_row, ids, w, route_row, y)
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """int16 trellis / fp16 activations as the int32 words the GEMM reads (a view, no copy)."""
+    return t.view(torch.int32)

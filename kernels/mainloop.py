@@ -1,0 +1,119 @@
+"""The decode GEMM's main loop, shared by the dense GEMM and the fused MoE GEMMs.
+
+One CTA: ``cfg.warps`` warps, warp w owns weight tile column ``col_tile0 + w`` (16 output columns) of a trellis
+matrix ``W int32 [k_tiles, n_col_tiles, 8K]``; the CTA owns ``cfg.tokens_per_cta`` rows of the rotated input
+``X int32 [rows, K/2]`` (fp16 pairs) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
+``k_tiles_per_stage`` rows of weight tiles and the matching activation slab into shared memory with 16-byte
+``cp.async``; ``stages`` are in flight. Every k-tile is decoded in registers (``trellis.decode_lane``) straight
+into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32.
+
+The dense GEMM passes its whole matrix; the MoE GEMM passes the base address of one expert's plane and the
+packed rows of one expert's token block. ``cfg`` is a ``gemm.GemmConfig`` (its stage sizes are the only smem
+facts). D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1): ``acc[4*mt + i]`` as in ``store``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from . import ptx
+from .trellis import codebook_constants, decode_lane, lane_word_indices, mma_a_fragment
+
+
+def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g,
+               n_col_tiles, tid):
+    """Issue the cp.async copies of one stage: ``k_tiles_per_stage`` rows of the CTA's weight tiles (each row
+    one contiguous run of ``warps`` tiles) and the matching activation columns of the CTA's tokens.
+
+    A plain helper traced inline (not ``@cute.jit``): its loops and branches are compile-time Python."""
+    sW_addr, sX_addr, gW_addr, gX_addr = addrs
+    words = plan.words_per_tile
+    k_tile0 = k_begin + chunk * cfg.k_tiles_per_stage
+
+    row_chunks = cfg.w_row_words // 4
+    total = cfg.k_tiles_per_stage * row_chunks
+    for it in range((total + threads - 1) // threads):
+        i = it * threads + tid
+        if total % threads != 0:
+            i = cutlass.min(i, total - 1)  # surplus threads repeat the last copy: same bytes, same place
+        kk = i // row_chunks
+        part = i % row_chunks
+        g_word = (Int64(k_tile0 + kk) * n_col_tiles + col_tile0) * words + part * 4
+        s_word = stage * cfg.w_stage_words + kk * cfg.w_row_words + part * 4
+        ptx.cp_async_16(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
+
+    row_chunks = 2 * cfg.k_tiles_per_stage
+    total = cfg.tokens_per_cta * row_chunks
+    for it in range((total + threads - 1) // threads):
+        i = it * threads + tid
+        if total % threads != 0:
+            i = cutlass.min(i, total - 1)
+        row = i // row_chunks
+        part = i % row_chunks
+        tok = tok0 + row
+        valid = tok < tokens
+        g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_tile0 * 8 + part * 4
+        s_word = stage * cfg.x_stage_words + row * cfg.x_row_words + part * 4
+        # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
+        ptx.cp_async_16(sX_addr + s_word * 4, gX_addr + g_word * 4, cutlass.select_(valid, Int32(16), Int32(0)))
+
+
+@cute.jit
+def decode_mma_loop(
+    cfg: cutlass.Constexpr,
+    plan: cutlass.Constexpr,
+    acc: cute.Tensor,
+    sW: cute.Tensor,
+    sX: cute.Tensor,
+    gW_addr: Int64,
+    gX_addr: Int64,
+    x_row_words_g: Int32,
+    n_col_tiles: Int32,
+    col_tile0: Int32,
+    tok0: Int32,
+    tokens: Int32,
+    k_begin: Int32,
+    n_chunks: Int32,
+):
+    """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
+    ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller."""
+    threads = 32 * cfg.warps
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    addrs = (sW.iterator.toint(), sX.iterator.toint(), gW_addr, gX_addr)
+
+    for st in cutlass.range_constexpr(cfg.stages - 1):
+        if st < n_chunks:
+            load_stage(cfg, plan, threads, addrs, st, st, k_begin, col_tile0, tok0, tokens, x_row_words_g,
+                       n_col_tiles, tid)
+        cute.arch.cp_async_commit_group()
+
+    word_idx, shift = lane_word_indices(plan, lane)
+    consts = codebook_constants(cfg.codebook, ptx)
+    w_lane = warp * plan.words_per_tile
+    g = lane // 4
+    q = lane % 4
+
+    for chunk in range(n_chunks):
+        cute.arch.cp_async_wait_group(cfg.stages - 2)
+        cute.arch.sync_threads()
+        ahead = chunk + cfg.stages - 1
+        if ahead < n_chunks:
+            load_stage(cfg, plan, threads, addrs, ahead, ahead % cfg.stages, k_begin, col_tile0, tok0, tokens,
+                       x_row_words_g, n_col_tiles, tid)
+        cute.arch.cp_async_commit_group()
+
+        stage = chunk % cfg.stages
+        w_stage = stage * cfg.w_stage_words + w_lane
+        x_stage = stage * cfg.x_stage_words
+        for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
+            words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+            a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
+            for mt in cutlass.range_constexpr(cfg.token_groups):
+                x_word = x_stage + (mt * 8 + g) * cfg.x_row_words + kk * 8 + q
+                b = (sX[x_word], sX[x_word + 4])
+                c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
+                d = ptx.mma_m16n8k16_f16_f32(a, b, c)
+                for i in cutlass.range_constexpr(4):
+                    acc[4 * mt + i] = d[i]

@@ -1,0 +1,68 @@
+"""Compile-only tests of the fused MoE kernels (no GPU): every variant compiles for sm_120a (and sm_90a), its
+PTX holds what the design needs (mma.sync in both grouped GEMMs, the arrival counters and shared-memory atomics
+of the routing), and every CTA stays within SM120's 99 KB of shared memory."""
+
+import pytest
+
+from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
+from exl3tool.kernels.moe_gemm import MoEGemmConfig
+from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
+from exl3tool.kernels.moe_route import MoERouteConfig
+from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
+from exl3tool.ops import moe_kernels
+from exl3tool.ops.runtime import compile_with_ptx
+
+pytestmark = pytest.mark.compile
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+CASES = [(b, cb) for b in SUPPORTED_BITS for cb in CODEBOOKS if b == int(b) or cb == "mul1"]
+
+
+def ptx_of(config, arch="sm_120a"):
+    return compile_with_ptx(lambda options: moe_kernels.BUILDERS[type(config)](config, options), arch)
+
+
+@pytest.mark.parametrize("planes", [2, 1])
+@pytest.mark.parametrize("bits,codebook", CASES)
+def test_grouped_gemm_compiles(bits, codebook, planes):
+    for token_groups in (1, 8):
+        cfg = MoEGemmConfig(bits, codebook, planes, token_groups=token_groups)
+        ptx = ptx_of(cfg)
+        assert ".target sm_120a" in ptx and ptx.count(MMA) >= token_groups * cfg.k_tiles_per_stage
+        assert "cp.async.cg.shared.global" in ptx and cfg.smem_bytes <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_grouped_gemm_other_archs(arch):
+    assert MMA in ptx_of(MoEGemmConfig(4.0, "mcg", 2, token_groups=2), arch)
+
+
+@pytest.mark.parametrize("config", [
+    MoERouteConfig("softmax_topk", 128, 8),
+    MoERouteConfig("softmax_topk", 60, 4, normalize=False, shared="gated", x_dtype="bfloat16"),
+    MoERouteConfig("sigmoid_noaux_tc", 256, 8, scale=2.5, n_group=8, topk_group=4, correction_bias=True,
+                   shared="ungated"),
+    MoERouteConfig("sigmoid_noaux_tc", 16, 2, n_group=1, correction_bias=False),
+    MoERouteConfig("given", 128, 8, shared="gated"),
+], ids=str)
+def test_route_compiles(config):
+    ptx = ptx_of(config)
+    # logits -> top-k in the last CTA of a token block -> packing in the last block: fences, counters, atomics
+    assert "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx and "atom.shared" in ptx
+    if config.method != "given":
+        assert ptx.count("shfl.sync.bfly") >= 5 * 3 * config.top_k
+
+
+@pytest.mark.parametrize("config", [RouteInputRotationConfig("float16"), RouteInputRotationConfig("bfloat16"),
+                                    IntermediateConfig(), TopKSumConfig(8, "float16"), TopKSumConfig(9, "bfloat16"),
+                                    TopKSumConfig(3, "float32")], ids=str)
+def test_rotations_compile(config):
+    assert ptx_of(config).count("shfl.sync.bfly") >= 5 * 4
+
+
+def test_configs_refuse_what_the_kernels_cannot_do():
+    with pytest.raises(ValueError):
+        MoEGemmConfig(4.0, "mcg", 3)
+    with pytest.raises(ValueError):
+        MoERouteConfig("softmax_topk", 8, 9)
+    with pytest.raises(ValueError):
+        MoERouteConfig("sigmoid_noaux_tc", 10, 2, n_group=4)
