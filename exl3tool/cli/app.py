@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 from typer.core import TyperCommand
 
+from exl3tool.cli import bench as bench_command
 from exl3tool.cli import inspect as inspect_command
 from exl3tool.cli import prepare as prepare_command
 from exl3tool.cli import verify as verify_command
@@ -60,6 +61,7 @@ def root(
 app.command("inspect", cls=Command)(inspect_command.inspect)
 app.command("prepare", cls=Command)(prepare_command.prepare)
 app.command("verify", cls=Command)(verify_command.verify)
+app.command("bench", cls=Command)(bench_command.bench)
 
 
 def main() -> None:

@@ -1,0 +1,68 @@
+"""`exl3tool bench --sass`: the kernels a linear launches, compiled for any arch on the CPU (no GPU), read with
+`exl3tool.sass`: registers, spills, shared memory per CTA, main-loop SASS per decoded weight by pipe.
+
+The kernels are the ones the planner picks (`exl3tool.ops.linear.plan_gemm`) for the requested K, codebook and
+token counts: the decode GEMM per token-group count, its fused-epilogue variant (M <= 8), the dequantize kernel,
+and the two rotations.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from exl3tool.bench.report import SassReport, SassRow
+from exl3tool.format import Codebook, LinearInfo
+
+
+def _row(label: str, k) -> SassRow:
+    return SassRow(
+        kernel=label, symbol=k.name, registers=k.registers, spill_bytes=k.frame_bytes,
+        spill_instructions=k.spill_instructions, smem_per_cta_bytes=k.smem_per_cta_bytes,
+        loop_instructions=None if k.main_loop is None else len(k.main_loop.instructions),
+        per_weight=k.per_weight, per_weight_by_pipe=k.per_weight_by_pipe,
+    )
+
+
+def _analyze(config, arch: str):
+    from exl3tool.ops import launch
+    from exl3tool.sass import analyze_cubin, compile_cubin
+
+    cubin = compile_cubin(lambda options: launch.BUILDERS[type(config)](config, options), arch)
+    (kernel,) = analyze_cubin(cubin, dynamic_smem_bytes=getattr(config, "smem_bytes", 0))
+    return kernel
+
+
+def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 256, 4096),
+                progress=None) -> SassReport:
+    from exl3tool.kernels.dequant import DequantConfig
+    from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
+    from exl3tool.ops.linear import FUSED_MAX_TOKENS, plan_gemm
+    from exl3tool.sass import gemm_report, nvdisasm_path
+
+    nvdisasm_path()  # SassToolError (naming the extra) before any compile
+    jobs = []
+    for k in bits:
+        # the planner's choice depends on K, codebook and M only (sizes set split-K, not the kernel)
+        stand_in = SimpleNamespace(info=LinearInfo("sass", 4096, 4096, 4096, 4096, float(k), Codebook(codebook),
+                                                   False, False))
+        configs = {}
+        for m in tokens:
+            cfg = plan_gemm(m, stand_in, sm_count=1, arch=arch).config
+            configs.setdefault(cfg, f"gemm K{k:g} {codebook} M{cfg.tokens_per_cta}/CTA")
+        if min(tokens) <= FUSED_MAX_TOKENS:
+            cfg = plan_gemm(min(tokens), stand_in, sm_count=1, arch=arch, output="float16").config
+            configs[cfg] = f"gemm K{k:g} {codebook} M{cfg.tokens_per_cta}/CTA fused fp16 out"
+        jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch)) for cfg, label in configs.items()]
+        dq = DequantConfig(float(k), codebook)
+        jobs.append((f"dequant K{k:g} {codebook}", lambda dq=dq: _analyze(dq, arch)))
+    jobs.append(("rotate in fp16", lambda: _analyze(InputRotationConfig("float16"), arch)))
+    jobs.append(("rotate out fp32>fp16",
+                 lambda: _analyze(OutputRotationConfig("float16", "float32", False), arch)))
+    rows = []
+    for i, (label, job) in enumerate(jobs):
+        if progress is not None:
+            progress(i, len(jobs), label)
+        rows.append(_row(label, job()))
+    if progress is not None:
+        progress(len(jobs), len(jobs), "done")
+    return SassReport(arch, tuple(rows))

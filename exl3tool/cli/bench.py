@@ -1,0 +1,151 @@
+"""`exl3tool bench`: time our kernels against peers on this GPU (or, with --sass, read their machine code for any
+arch on the CPU). Every argument is checked before torch is imported."""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Annotated, List, Optional
+
+import typer
+
+from exl3tool.cli.console import stderr, stdout
+from exl3tool.cli.errors import EXIT_PROBLEMS, EXIT_SOUND, command_errors
+from exl3tool.cli.params import FormatOpt, RevisionOpt, choice, wants_json
+from exl3tool.errors import UsageError
+
+DEFAULT_SHAPE = "4096x14336"
+
+
+def bench(
+    model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", help="EXL3 checkpoint (folder or hub id): with --layer N, its distinct linears and its "
+        "MLP/MoE block, with their real weights.", show_default=False)] = None,
+    layer: Annotated[Optional[int], typer.Option("--layer", "-l", metavar="N", min=0,
+                                                 help="The decoder layer of MODEL.", show_default=False)] = None,
+    shape: Annotated[Optional[List[str]], typer.Option(
+        "--shape", metavar="INxOUT", help=f"A synthetic linear (repeatable; default {DEFAULT_SHAPE} when nothing "
+        "else is asked for).", show_default=False)] = None,
+    moe: Annotated[Optional[List[str]], typer.Option(
+        "--moe", metavar="E:TOPK:H:I", help="A synthetic MoE block: experts, top-k, hidden, intermediate "
+        "(repeatable).", show_default=False)] = None,
+    bits: Annotated[str, typer.Option("--bits", "-k", metavar="K,...", help="Bitrates of the synthetic weights.")]
+    = "4",
+    codebook: Annotated[str, typer.Option("--codebook", metavar="3inst|mcg|mul1",
+                                          help="Codebook of the synthetic weights.")] = "mcg",
+    tokens: Annotated[str, typer.Option("--tokens", "-m", metavar="M,...", help="Token counts (rows of x).")]
+    = "1,16,256,4096",
+    mode: Annotated[str, typer.Option("--mode", metavar="graph|eager|both",
+                                      help="CUDA-graph replays, eager launches (launch overhead), or both.")]
+    = "graph",
+    peer: Annotated[Optional[List[str]], typer.Option(
+        "--peer", metavar="exllamav3", help="Also time this peer (repeatable): exllamav3.", show_default=False)]
+    = None,
+    plot: Annotated[Optional[str], typer.Option("--plot", metavar="FILE.png", show_default=False,
+                                                help="Write time against tokens (needs the plot extra).")] = None,
+    sass: Annotated[bool, typer.Option("--sass", help="No GPU: compile the kernels for --arch and report "
+                                                     "registers, spills, shared memory, SASS per weight.")] = False,
+    arch: Annotated[str, typer.Option("--arch", metavar="sm_XX", help="Target of --sass.")] = "sm_120a",
+    replays: Annotated[int, typer.Option("--replays", metavar="N", min=5, help="Timed repetitions per case.")]
+    = 30,
+    seed: Annotated[int, typer.Option("--seed", metavar="S", help="Seed of the random weights and inputs.")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="float16|bfloat16", help="Activation dtype.")]
+    = "float16",
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="CUDA device, e.g. cuda:1.")]
+    = "cuda",
+    revision: RevisionOpt = None,
+    output_format: FormatOpt = "human",
+) -> None:
+    """Time our kernels, checked against the fp32 reference first, with torch fp16, dequantize + fp16 and
+    (--peer) ExLlamaV3 on the same shapes in the same run.
+
+    Exit code 0: every implementation checked and timed; 1: one gave a wrong output or failed; 2: unusable
+    input, no usable GPU, a peer or matplotlib that is not installed.
+    """
+    from exl3tool.bench import request as R
+
+    as_json = wants_json(output_format)
+    with command_errors(as_json):
+        bits_list, token_list = R.parse_bits(bits), R.parse_tokens(tokens)
+        codebook = codebook.strip().lower()
+        if sass:
+            _sass_only(model, layer, shape, moe, peer, plot, mode)
+            if not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
+                raise UsageError(f"--arch must look like sm_120a or sm_90a, not {arch!r}")
+            for k in bits_list:
+                R.check_bits(k, codebook)
+            from exl3tool.bench import sass_report
+
+            with _progress("compiling") as progress:
+                report = sass_report(arch, bits_list, codebook, token_list, progress)
+            _render_sass(report, as_json)
+            raise typer.Exit(EXIT_SOUND)
+        shapes = [R.parse_shape(s) for s in shape or ()]
+        if not (shapes or moe or model):
+            shapes = [R.parse_shape(DEFAULT_SHAPE)]
+        request = R.BenchRequest(
+            shapes=tuple(shapes), moe=tuple(R.parse_moe(m) for m in moe or ()), model=model, layer=layer,
+            revision=revision, bits=bits_list, codebook=codebook, tokens=token_list,
+            modes=R.parse_modes(mode), peers=tuple(dict.fromkeys(p.strip().lower() for p in peer or ())),
+            device=device, dtype=choice("--dtype", dtype, R.DTYPES), seed=seed, replays=replays)
+        if plot is not None:
+            R.require_matplotlib()
+        from exl3tool.bench import run_bench, write_plot
+
+        with _progress("benchmarking") as progress:
+            report = run_bench(request, progress, command=" ".join(["exl3tool", *sys.argv[1:]]))
+        if as_json:
+            from exl3tool.cli.render.bench import render_json
+
+            render_json(report)
+        else:
+            from exl3tool.cli.render.bench import render_human
+
+            render_human(report, stdout)
+        if plot is not None:
+            write_plot(report, plot)
+    raise typer.Exit(EXIT_PROBLEMS if report.wrong else EXIT_SOUND)
+
+
+def _sass_only(model, layer, shape, moe, peer, plot, mode) -> None:
+    given = [name for name, value in (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--moe", moe),
+                                      ("--peer", peer), ("--plot", plot)) if value]
+    if mode != "graph":
+        given.append("--mode")
+    if given:
+        raise UsageError(f"--sass compiles kernels, it runs nothing: drop {', '.join(given)}")
+
+
+def _render_sass(report, as_json: bool) -> None:
+    from exl3tool.cli.render.bench import render_sass_human, render_sass_json
+
+    if as_json:
+        render_sass_json(report)
+    else:
+        render_sass_human(report, stdout)
+
+
+class _progress:
+    """A transient Rich progress bar on stderr, on a terminal only; the library calls (done, total, label)."""
+
+    def __init__(self, verb: str):
+        self.verb, self._bar = verb, None
+
+    def __enter__(self):
+        if not stderr.is_terminal:
+            return None
+        from rich.markup import escape
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from exl3tool.errors import terminal_safe
+
+        self._bar = Progress(TextColumn(f"{self.verb} {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=stderr, transient=True)
+        self._bar.start()
+        task = self._bar.add_task("", total=None)
+        return lambda done, total, label: self._bar.update(task, completed=done, total=total,
+                                                           description=escape(terminal_safe(label)))
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.stop()

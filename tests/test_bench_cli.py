@@ -1,0 +1,87 @@
+"""`exl3tool bench` on the CPU: what it refuses before touching a GPU (exit 2, one line), and `--sass` end to end
+(compiles for sm_120a: marker `compile`). The timed runs are in tests/gpu/test_bench.py."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from helpers import run_cli
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+
+
+def _one_error_line(result, *needles):
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@no_gpu
+def test_no_gpu_exits_2():
+    _one_error_line(run_cli("bench", "--shape", "256x512", "--tokens", "1,16"), "no usable GPU")
+
+
+@no_gpu
+def test_no_gpu_json_error_object():
+    result = run_cli("bench", "--shape", "256x512", "-f", "json")
+    assert result.exit_code == 2 and result.json()["error"]["label"] == "no usable GPU"
+
+
+def test_missing_peer_exits_2_before_the_gpu(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))
+    _one_error_line(run_cli("bench", "--peer", "exllamav3"), "--peer exllamav3", "pip install exllamav3")
+
+
+def test_missing_matplotlib_exits_2(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    _one_error_line(run_cli("bench", "--plot", str(tmp_path / "p.png")), "exl3tool[plot]")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shape", "4096"], "--shape must be INxOUT"),
+    (["--tokens", "1,x"], "--tokens"),
+    (["--tokens", "0"], "--tokens"),
+    (["--bits", "5.5"], "not an EXL3 bitrate"),
+    (["--bits", "2.5"], "mul1 codebook only"),
+    (["--codebook", "nf4"], "--codebook"),
+    (["--mode", "fast"], "--mode"),
+    (["--moe", "8:16:64:64"], "TOPK <= EXPERTS"),
+    (["--peer", "marlin"], "unknown peer"),
+    (["--dtype", "float32"], "--dtype"),
+    (["some/model"], "needs --layer"),
+    (["--layer", "0"], "--layer needs MODEL"),
+    (["m", "--layer", "0", "--shape", "8x8"], "not both"),
+    (["--sass", "--shape", "8x8"], "drop --shape"),
+    (["--sass", "--mode", "both"], "drop --mode"),
+    (["--sass", "--arch", "hopper"], "--arch"),
+    (["--format", "xml"], "--format"),
+])
+def test_usage_errors_exit_2(args, needle):
+    _one_error_line(run_cli("bench", *args), needle)
+
+
+@pytest.mark.compile
+def test_sass_on_sm120_end_to_end():
+    human = run_cli("bench", "--sass", "--arch", "sm_120a", "--bits", "4", "--tokens", "1,16")
+    assert human.exit_code == 0, human.stderr
+    assert "SASS for sm_120a" in human.stdout and "gemm K4 mcg M8/CTA" in human.stdout
+    result = run_cli("bench", "--sass", "--arch", "sm_120a", "--bits", "4", "--tokens", "1,16", "-f", "json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["schema"] == "exl3tool.bench.sass/1" and data["arch"] == "sm_120a"
+    kernels = {k["kernel"]: k for k in data["kernels"]}
+    # the planner's kernels for M=1 and M=16, the fused epilogue (M <= 8), dequantize, the two rotations
+    assert set(kernels) == {"gemm K4 mcg M8/CTA", "gemm K4 mcg M16/CTA", "gemm K4 mcg M8/CTA fused fp16 out",
+                            "dequant K4 mcg", "rotate in fp16", "rotate out fp32>fp16"}
+    m8 = kernels["gemm K4 mcg M8/CTA"]
+    assert m8["spill_bytes"] == 0 and m8["spill_instructions"] == 0 and 16 <= m8["registers"] <= 96
+    assert m8["smem_per_cta_bytes"] <= 99 * 1024
+    assert 3.0 < m8["per_weight"] < 8.0  # the decode GEMM is issue-bound: this is its cost on SM120
+    assert m8["per_weight"] == pytest.approx(sum(m8["per_weight_by_pipe"].values()))
+    assert m8["per_weight_by_pipe"]["tensor"] == pytest.approx(1 / 8)  # one m16n8k16 per 8 weights of a lane
+    assert kernels["dequant K4 mcg"]["per_weight"] is None  # no MMA loop
