@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float16", "bfloat16")
+MOE_PATHS = ("fused", "per-expert")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class ModuleCheck:
     vs_reference: Comparison
     vs_recorded: Comparison | None
     passed: bool
+    path: str | None = None  # MoE blocks: "fused" (the fused MoE kernel) or "per-expert" (dense kernel per expert)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class VerifyReport:
     thresholds: Thresholds
     layers: tuple[int, ...]
     checks: tuple[ModuleCheck, ...] = field(default=())
+    moe_path: str = "fused"
 
     @property
     def passed(self) -> bool:
@@ -202,7 +205,12 @@ def verify(
     device: str = "cuda",
     revision: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    moe_path: str = "fused",
 ) -> VerifyReport:
+    """``moe_path``: MoE blocks through the fused MoE kernel ("fused") or the dense kernel per routed expert
+    ("per-expert"); every expert projection is also checked on its own with the dense kernel either way."""
+    if moe_path not in MOE_PATHS:
+        raise UsageError(f"--moe-path must be {' or '.join(MOE_PATHS)}, not {moe_path!r}")
     if tokens < 1:  # arguments first: a typo is answered before torch takes seconds to import
         raise UsageError("--tokens must be at least 1")
     if dtype not in DTYPES:
@@ -213,6 +221,8 @@ def verify(
 
     from exl3tool.ops import blocks as kernel_blocks
     from exl3tool.ops.linear import DeviceLinear, linear_forward
+    from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe
+    from exl3tool.reader import reference_forward
     from exl3tool.ops.runtime import require_gpu, target_arch
 
     file_tensors = load_inputs(input_file)
@@ -226,17 +236,24 @@ def verify(
         checks: list[ModuleCheck] = []
         device_linears: dict[str, DeviceLinear] = {}
 
+        loaded: dict = {}  # each linear's tensors, loaded once per layer for both the kernel and the reference
+
+        def load(name: str, _device=None):
+            if name not in loaded:
+                loaded[name] = model.load_linear(name, gpu)
+            return loaded[name]
+
         def lin(name: str) -> DeviceLinear:
             if name not in device_linears:
-                device_linears[name] = DeviceLinear.from_tensors(model.load_linear(name), gpu)
+                device_linears[name] = DeviceLinear.from_tensors(load(name), gpu)
             return device_linears[name]
 
         def gated(mlp: GatedMLP) -> kernel_blocks.DeviceGatedMLP:
             return kernel_blocks.DeviceGatedMLP(lin(mlp.gate.name), lin(mlp.up.name), lin(mlp.down.name),
                                                 mlp.activation)
 
-        def record(name, kind, layer, x, source, width_out, kernel_out, info: LinearInfo | None):
-            ref = model.reference_forward(name, x, device=gpu)
+        def record(name, kind, layer, x, source, width_out, kernel_out, info: LinearInfo | None, path=None):
+            ref = reference_forward(model, name, x, gpu, load_linear=load)
             recorded = inputs.recorded(name)
             vs_recorded = None
             if recorded is not None:
@@ -246,7 +263,7 @@ def verify(
             checks.append(ModuleCheck(
                 name, kind, layer, x.shape[0], source, x.shape[1], width_out,
                 None if info is None else info.bits, None if info is None else info.codebook.value,
-                vs_ref, vs_recorded, passed))
+                vs_ref, vs_recorded, passed, path))
             if save_output:
                 saved[f"{name}.reference"] = ref.float().cpu()
                 saved[f"{name}.kernel"] = kernel_out.float().cpu()
@@ -263,17 +280,24 @@ def verify(
                 record(block.name, "mlp", index, x, source, block.down.out_features,
                        kernel_blocks.gated_mlp_forward(x, gated(block)), None)
             elif isinstance(block, MoEBlock):
-                router = model.load_tensor(block.router.name, gpu)
-                x, source = inputs.get(block.name, router.shape[1])
-                optional = lambda t: None if t is None else model.load_tensor(t.name, gpu)  # noqa: E731
-                out = kernel_blocks.moe_forward(
-                    x, router, block.routing, lambda e: gated(block.experts[e]),
-                    shared=None if block.shared_experts is None else gated(block.shared_experts),
-                    shared_gate=optional(block.shared_expert_gate),
-                    correction_bias=optional(block.correction_bias),
-                )
-                record(block.name, "moe", index, x, source, router.shape[1], out, None)
+                width = block.router.shape[1]
+                x, source = inputs.get(block.name, width)
+                if moe_path == "fused":
+                    layer_moe = model.moe(index, device=gpu)
+                    plan = plan_moe(DeviceMoE.from_layer(layer_moe, gpu), x.shape[0], x.dtype, torch.float32)
+                    out = moe_forward(x.contiguous(), plan)
+                else:
+                    optional = lambda t: None if t is None else model.load_tensor(t.name, gpu)  # noqa: E731
+                    out = kernel_blocks.moe_forward(
+                        x, model.load_tensor(block.router.name, gpu), block.routing,
+                        lambda e: gated(block.experts[e]),
+                        shared=None if block.shared_experts is None else gated(block.shared_experts),
+                        shared_gate=optional(block.shared_expert_gate),
+                        correction_bias=optional(block.correction_bias),
+                    )
+                record(block.name, "moe", index, x, source, width, out, None, path=moe_path)
             device_linears.clear()
+            loaded.clear()
             if progress is not None:
                 progress(done + 1, len(layer_ids))
         if save_output:
@@ -281,7 +305,7 @@ def verify(
         return VerifyReport(
             source=str(model_path), prepared=prepared, gpu=torch.cuda.get_device_name(gpu),
             arch=target_arch(gpu), dtype=dtype, seed=seed, thresholds=thresholds, layers=layer_ids,
-            checks=tuple(checks),
+            checks=tuple(checks), moe_path=moe_path,
         )
     finally:
         model.close()

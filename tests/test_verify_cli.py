@@ -73,6 +73,7 @@ def _verify_without(module: str, *args: str) -> subprocess.CompletedProcess:
     (["--layer", "3-1"], "the range 3-1 runs backwards"),
     (["--layer", "0", "--dtype", "float32"], "--dtype must be float16 or bfloat16, not 'float32'"),
     (["--layer", "0", "--format", "yaml"], "--format must be human or json, not 'yaml'"),
+    (["--layer", "0", "--moe-path", "loop"], "--moe-path must be fused or per-expert, not 'loop'"),
     (["--layer", "0", "--max-rel-l2", "nan"], "--max-rel-l2 must be a finite number >= 0, not nan"),
     (["--layer", "0", "--min-cosine", "2"], "--min-cosine must be a number from -1 to 1, not 2.0"),
 ])

@@ -14,7 +14,7 @@ from exl3tool.cli.errors import EXIT_PROBLEMS, EXIT_SOUND, command_errors
 from exl3tool.cli.params import LAYER_HELP, FormatOpt, ModelArg, RevisionOpt, choice, layers, wants_json
 from exl3tool.cli.render.verify import render_human, render_json
 from exl3tool.errors import UsageError
-from exl3tool.verify import DTYPES, Thresholds, verify as run_verify
+from exl3tool.verify import DTYPES, MOE_PATHS, Thresholds, verify as run_verify
 
 DEFAULTS = Thresholds()
 
@@ -42,6 +42,10 @@ def verify(
     = "float16",
     device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="CUDA device to run on, e.g. cuda:1.")]
     = "cuda",
+    moe_path: Annotated[str, typer.Option(
+        "--moe-path", metavar="fused|per-expert", help="MoE blocks through the fused MoE kernel or the dense "
+        "kernel per routed expert (each expert projection is checked with the dense kernel either way).")]
+    = "fused",
     revision: RevisionOpt = None,
     output_format: FormatOpt = "human",
 ) -> None:
@@ -53,12 +57,13 @@ def verify(
     as_json = wants_json(output_format)
     selection = layers(layer)
     dtype = choice("--dtype", dtype, DTYPES)
+    moe_path = choice("--moe-path", moe_path, MOE_PATHS)
     with command_errors(as_json):
         thresholds = _thresholds(max_rel_l2, min_cosine, max_abs)
         with _progress(enabled=not as_json and not selection.single) as progress:
             report = run_verify(model, selection, tokens=tokens, seed=seed, input_file=input_file,
                                 save_output=save_output, thresholds=thresholds, dtype=dtype, device=device,
-                                revision=revision, progress=progress)
+                                revision=revision, progress=progress, moe_path=moe_path)
     if as_json:
         render_json(report)
     else:

@@ -72,3 +72,17 @@ def test_human_output_lists_every_module_and_the_verdict(monkeypatch):
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert proj in result.stdout
     assert "8/8 passed" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.parametrize("path", ["fused", "per-expert"])
+def test_moe_path_is_chosen_and_reported(path):
+    recorded = outputs_dir("qwen3moe_mul1") / "exllamav3_outputs.safetensors"
+    result = run_cli("verify", model_dir("qwen3moe_mul1"), "--layer", "all", "--input", recorded, "--moe-path", path,
+                     "--format", "json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json()
+    assert report["moe_path"] == path and report["passed"]
+    moe = [c for c in report["checks"] if c["kind"] == "moe"]
+    assert moe and all(c["path"] == path and c["vs_recorded"] is not None for c in moe)
+    # the expert projections are still checked one by one with the dense kernel
+    assert any(".experts." in c["name"] and c["kind"] == "linear" for c in report["checks"])

@@ -38,7 +38,8 @@ def render_human(report: VerifyReport, console: Console) -> None:
     for c in report.checks:
         rec = c.vs_recorded
         table.add_row(
-            str(c.layer), safe(_short(c.name, c.layer)), c.kind, bits(c.bits), c.codebook or "-",
+            str(c.layer), safe(_short(c.name, c.layer)), c.kind + (f" ({c.path})" if c.path else ""), bits(c.bits),
+            c.codebook or "-",
             f"{c.tokens}{'*' if c.input_source == 'file' else ''}",
             f"{c.in_features}x{c.out_features}", _num(c.vs_reference.rel_l2, ".2e"),
             _num(c.vs_reference.cosine, ".7f"), _num(c.vs_reference.max_abs, ".2e"),
@@ -71,13 +72,14 @@ def render_json(report: VerifyReport) -> None:
         "seed": report.seed,
         "thresholds": asdict(report.thresholds),
         "layers": list(report.layers),
+        "moe_path": report.moe_path,
         "passed": report.passed,
         "checks": [
             {
                 "name": c.name, "kind": c.kind, "layer": c.layer, "tokens": c.tokens, "input": c.input_source,
                 "in_features": c.in_features, "out_features": c.out_features, "bits": c.bits,
                 "codebook": c.codebook, "vs_reference": _comparison(c.vs_reference),
-                "vs_recorded": _comparison(c.vs_recorded), "passed": c.passed,
+                "vs_recorded": _comparison(c.vs_recorded), "passed": c.passed, "path": c.path,
             }
             for c in report.checks
         ],
