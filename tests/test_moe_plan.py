@@ -1,0 +1,72 @@
+"""The fused MoE plan on the CPU: the route packing the kernel does (emulated here in NumPy) never needs more
+blocks or rows than the plan's bound, for any routing (uniform, all to one expert, every route its own expert,
+shared experts); split-K always covers K in whole stages; the launch count."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from exl3tool.kernels.moe_route import MoERouteConfig
+from exl3tool.ops.moe import _per_split, step_shape
+
+
+def pack(ids: np.ndarray, experts: int, block_rows: int):
+    """What MoERoute's packing writes: block_expert per block, row_route per row (-1 = padding)."""
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=experts)
+    block_expert, row_route = [], []
+    for e in range(experts):
+        routes = np.nonzero(flat == e)[0].tolist()
+        blocks = -(-counts[e] // block_rows)
+        block_expert += [e] * blocks
+        row_route += routes + [-1] * (blocks * block_rows - len(routes))
+    return np.array(block_expert, dtype=np.int64), np.array(row_route, dtype=np.int64)
+
+
+def moe(num_experts=128, top_k=8, shared="none", hidden_p=2048, inter_p=768):
+    cfg = MoERouteConfig("softmax_topk", num_experts, top_k, shared=shared)
+    return SimpleNamespace(route=cfg, hidden_padded=hidden_p, groups=[SimpleNamespace(intermediate_padded=inter_p)])
+
+
+def routings(tokens: int, experts: int, k: int, rng):
+    yield "uniform", np.stack([rng.permutation(experts)[:k] for _ in range(tokens)])
+    yield "one expert", np.tile(np.arange(k), (tokens, 1))  # top-k forced onto the same k experts
+    spread = (np.arange(tokens * k) % experts).reshape(tokens, k)
+    yield "every route its own expert", spread
+
+
+@pytest.mark.parametrize("shared", ["none", "gated"])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 100, 256, 1000])
+def test_packing_fits_the_planned_blocks(tokens, shared):
+    d = moe(shared=shared)
+    cfg = d.route
+    shape = step_shape(d, tokens, sm_count=132)
+    rng = np.random.default_rng(tokens)
+    for what, ids in routings(tokens, cfg.num_experts, cfg.top_k, rng):
+        if shared != "none":
+            ids = np.concatenate([ids, np.full((tokens, 1), cfg.num_experts)], axis=1)
+        assert ids.shape[1] == cfg.routes_per_token
+        block_expert, row_route = pack(ids, cfg.packed_experts, shape.block_rows)
+        assert len(block_expert) <= shape.blocks and len(row_route) <= shape.rows, what
+        # every route has exactly one row, in a block of its own expert
+        rows = {r: i for i, r in enumerate(row_route) if r >= 0}
+        assert sorted(rows) == list(range(ids.size))
+        flat = ids.reshape(-1)
+        assert all(block_expert[rows[r] // shape.block_rows] == flat[r] for r in range(ids.size))
+
+
+@pytest.mark.parametrize("k_tiles,stage", [(128, 8), (48, 8), (256, 8), (8, 8)])
+def test_split_k_covers_k_in_whole_stages(k_tiles, stage):
+    for splits in range(1, 17):
+        per = _per_split(k_tiles, splits, stage)
+        assert per % stage == 0 and per * splits >= k_tiles
+
+
+def test_block_rows_grow_with_the_routes_per_expert():
+    d = moe()
+    assert [step_shape(d, m, 132).block_rows for m in (1, 16, 256, 512, 4096)] == [8, 8, 16, 32, 64]
+    one = step_shape(d, 1, 132)
+    assert one.blocks == 1 + 8 and one.splits13 > 1 and one.splits2 > 1  # M=1 splits K to fill the SMs
