@@ -23,6 +23,7 @@ from exl3tool.bench.report import Case, exl3_weight_bytes, floor_us, linear_flop
 from exl3tool.bench.timing import L2_MULTIPLE
 from exl3tool.format import GatedMLP, LinearInfo, LinearTensors, MoEBlock
 from exl3tool.ops import blocks
+from exl3tool.ops import moe as fused
 from exl3tool.ops.linear import DeviceLinear, linear_forward
 
 MAX_COPIES = 256  # small weights: at most this many copies (the report says how many were used)
@@ -219,10 +220,9 @@ class MoEGroup:
 
     kind = "moe"
 
-    def __init__(self, reader, layer: int, ctx, peer_folder=None):
-        self.reader, self.layer, self.ctx = reader, layer, ctx
+    def __init__(self, reader, layer: int, ctx, name: str, peer_folder=None):
+        self.reader, self.layer, self.ctx, self.name = reader, layer, ctx, name
         self.block: MoEBlock = reader.layer(layer).mlp
-        self.name = self.block.name
         self.peer_folder = peer_folder  # a folder ExLlamaV3 can load (--moe only)
         dev = ctx.device
         self.router = reader.load_tensor(self.block.router.name, dev)
@@ -262,12 +262,12 @@ class MoEGroup:
         return self._copies[:copies]
 
     def fused_layers(self, copies: int) -> list:
-        from exl3tool.ops import moe as fused  # the MoE engineer's fused layer
-
-        while len(self._fused) < copies:
-            layer = self.reader.moe(self.layer, self.ctx.device)
-            self._fused.append(fused.DeviceMoE.from_layer(layer if not self._fused else clone(layer),
-                                                          self.ctx.device))
+        """``exl3tool.ops.moe.DeviceMoE`` of ``copies`` weight copies (copy 0: the reader's stacked tensors)."""
+        if len(self._fused) < copies:
+            base = self.reader.moe(self.layer, self.ctx.device)
+            while len(self._fused) < copies:
+                self._fused.append(fused.DeviceMoE.from_layer(base if not self._fused else clone(base),
+                                                              self.ctx.device))
         return self._fused[:copies]
 
     def setup(self, tokens: int) -> Setup:
@@ -275,7 +275,7 @@ class MoEGroup:
         x = random_input(tokens, self.router.shape[1], ctx.dtype, dev, ctx.seed, self.name)
         from exl3tool.reader import reference_forward
 
-        ref = reference_forward(self.reader, self.name, x, dev, load_linear=self.load)
+        ref = reference_forward(self.reader, b.name, x, dev, load_linear=self.load)
         _, indices = reference.route(x, self.router, b.routing, self.correction_bias)
         touched = indices.unique().tolist()
         routes = indices.numel()
@@ -318,10 +318,6 @@ def _moe_per_expert(g: MoEGroup, x, copies, nbytes):
 
 
 def _moe_fused(g: MoEGroup, x, copies, nbytes):
-    try:
-        from exl3tool.ops import moe as fused
-    except ImportError:
-        return None  # not in this version yet
     layers = g.fused_layers(copies)
     plans = [fused.plan_moe(d, x.shape[0], x.dtype) for d in layers]
     return Impl("fused", lambda c: fused.moe_forward(x, plans[c]), copies, nbytes)
@@ -342,6 +338,6 @@ def _moe_exllamav3(g: MoEGroup, x, copies, nbytes):
 
 MOE_IMPLEMENTATIONS = {
     "per-expert": _moe_per_expert,  # exl3tool.ops.blocks.moe_forward: the dense kernels once per routed expert
-    "fused": _moe_fused,  # exl3tool.ops.moe: the fused MoE layer (when this version has it)
+    "fused": _moe_fused,  # exl3tool.ops.moe: routing, grouped decode GEMMs and the top-k sum on the GPU
     "exllamav3": _moe_exllamav3,  # its BlockSparseMLP
 }

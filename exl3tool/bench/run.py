@@ -6,6 +6,7 @@ reference (a wrong output is reported and never timed), every weight copy warmed
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -95,7 +96,8 @@ def measure(setup: C.Setup, ctx: Context, request: BenchRequest) -> Case:
             try:
                 timing = (time_graph if mode == "graph" else time_eager)(step, impl.copies, request.replays)
             except Exception as error:  # noqa: BLE001 - e.g. a peer whose capture fails at this M
-                torch.cuda.synchronize()
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
                 status = "eager-only" if mode == "graph" else "failed"
                 results.append(Result(name, mode, status, note=_one_line(error), **common))
                 continue
@@ -148,7 +150,8 @@ class _SyntheticMoE:
             prepare_moe_folder(self.dir, 1, head_dim)
             folder = self.dir
         self.reader = open_checkpoint(str(self.dir))
-        self.group = C.MoEGroup(self.reader, 0, ctx, peer_folder=folder)
+        name = f"{spec.hidden}x{spec.hidden}"  # the group label says experts and top-k
+        self.group = C.MoEGroup(self.reader, 0, ctx, name, peer_folder=folder)
 
     def close(self):
         self.reader.close()
@@ -179,7 +182,7 @@ def _model_groups(reader, index: int, ctx: Context) -> Iterator:
         yield lambda: C.MLPGroup(_short(block.name, index), block,
                                  _linear_copies(lambda: reader.mlp_tensors(block, ctx.device), nbytes, ctx), ctx)
     elif isinstance(block, MoEBlock):
-        yield lambda: C.MoEGroup(reader, index, ctx)
+        yield lambda: C.MoEGroup(reader, index, ctx, _short(block.name, index))
 
 
 def run_bench(request: BenchRequest, progress: Progress | None = None, command: str | None = None) -> BenchReport:
@@ -187,6 +190,8 @@ def run_bench(request: BenchRequest, progress: Progress | None = None, command: 
     peer that cannot be imported)."""
     require_peers(request.peers)
     device = require_gpu(request.device)
+    if device.type == "cuda" and device.index is None:  # "cuda:N" everywhere (ExLlamaV3 loads onto a named one)
+        device = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(device):
         env = environment(device, target_arch(device))
         ctx = Context(device, getattr(torch, request.dtype), request.seed, env.l2_bytes, env.copy_tbs,

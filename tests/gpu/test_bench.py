@@ -1,0 +1,58 @@
+"""`exl3tool bench` on the GPU: tiny runs whose every row was checked against the reference and then timed, in
+both modes, for synthetic linears, a synthetic MoE block and a real layer (the genuine Qwen3-MoE example)."""
+
+import pytest
+
+from tests.helpers import model_dir, run_cli
+
+pytestmark = pytest.mark.gpu
+
+
+def _bench(*args):
+    result = run_cli("bench", *args, "--replays", "5", "-f", "json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    report = result.json()
+    assert report["schema"] == "exl3tool.bench/1" and report["environment"]["copy_tbs"] > 0.1
+    return report
+
+
+def _timed(r):
+    """A checked, timed row: sound figures (per-call times, a positive host time, derived numbers)."""
+    assert r["status"] == "ok" and r["check"]["passed"], r
+    assert r["check"]["rel_l2"] <= 1e-2 and r["check"]["cosine"] >= 0.9999
+    assert 0 < r["min_us"] <= r["median_us"] <= r["max_us"] and r["host_us"] > 0 and r["repeats"] == 5
+    assert r["weight_gbs"] > 0 and r["tflops"] > 0 and r["compile_s"] >= 0 and r["copies"] >= 2
+
+
+def test_tiny_linear_both_modes():
+    report = _bench("--shape", "256x512", "--tokens", "1,16", "--mode", "both")
+    assert [c["tokens"] for c in report["cases"]] == [1, 16]
+    for case in report["cases"]:
+        assert case["floor_us"] > 0 and case["flops"] == 2 * case["tokens"] * 256 * 512
+        rows = {(r["implementation"], r["mode"]): r for r in case["results"]}
+        assert set(rows) == {(i, m) for i in ("exl3tool", "dequant+fp16", "torch fp16") for m in ("graph", "eager")}
+        for (impl, mode), r in rows.items():
+            _timed(r)
+            others = {i for i, m in rows if m == mode and i != impl}
+            assert set(r["vs"]) == others  # a same-run ratio to every other implementation, same mode
+            assert r["vs"]["exl3tool" if impl != "exl3tool" else "torch fp16"] > 0
+
+
+def test_synthetic_moe_block():
+    report = _bench("--moe", "8:2:256:128", "--tokens", "1,16", "--mode", "both")
+    for case in report["cases"]:
+        assert case["kind"] == "moe" and 1 <= case["experts"]["touched"] <= 8
+        rows = {(r["implementation"], r["mode"]): r for r in case["results"]}
+        assert rows["per-expert", "graph"]["status"] == "eager-only"  # host syncs: never captured
+        _timed(rows["per-expert", "eager"])
+        _timed(rows["fused", "graph"])
+        _timed(rows["fused", "eager"])
+
+
+def test_real_layer_linears_and_block():
+    report = _bench(str(model_dir("qwen3moe_mul1")), "--layer", "1", "--tokens", "4", "--mode", "eager")
+    kinds = [c["kind"] for c in report["cases"]]
+    assert kinds.count("moe") == 1 and kinds.count("linear") == 3
+    for case in report["cases"]:
+        for r in case["results"]:
+            _timed(r)

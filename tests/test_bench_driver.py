@@ -1,0 +1,134 @@
+"""`run_bench` end to end on the CPU with the GPU parts swapped out: our linear is the fp32 reference (so every
+implementation passes its check), the timers are fixed numbers. What is left is the driver's own logic: which
+cases and implementations a request makes, weight copies, references, MoE routing and bytes floors, a model
+layer's distinct linears. (The same paths on real kernels: tests/gpu/test_bench.py.)"""
+
+import contextlib
+
+import pytest
+import torch
+
+from exl3tool import reference
+from exl3tool.bench import cases as C
+from exl3tool.bench import run
+from exl3tool.bench.report import Environment, Timing, exl3_weight_bytes, floor_us
+from exl3tool.bench.request import BenchRequest, MoESpec
+from exl3tool.ops import blocks
+from helpers import model_dir
+
+COPY_TBS = 2.0
+
+
+class _Lin:
+    """DeviceLinear stand-in on the CPU: the loaded tensors."""
+
+    def __init__(self, t, device=None):
+        self.t = t
+
+
+def _reference_linear(x, lin, out_dtype=None, path="auto", out=None):
+    return reference.linear_forward(x, lin.t).to(out_dtype or x.dtype)
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    monkeypatch.setattr(run, "require_gpu", lambda device=None: torch.device("cpu"))
+    monkeypatch.setattr(run, "target_arch", lambda device=None: "cpu")
+    monkeypatch.setattr(run, "environment", lambda device, arch: Environment(
+        "CPU", arch, "cpu", 1, 1 << 20, COPY_TBS, torch.__version__, None, None, "now"))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(C, "memory_limit", lambda nbytes, device: 3)
+    monkeypatch.setattr(C.DeviceLinear, "from_tensors", classmethod(lambda cls, t, device=None: _Lin(t)))
+    monkeypatch.setattr(C, "linear_forward", _reference_linear)
+    monkeypatch.setattr(blocks, "linear_forward", _reference_linear)
+    monkeypatch.setattr(C, "MOE_IMPLEMENTATIONS", {k: v for k, v in C.MOE_IMPLEMENTATIONS.items() if k != "fused"})
+    monkeypatch.setattr(run, "first_call_s", lambda call: (call(), 0.25))
+    timed = []
+
+    def timer(mode, us):
+        def time(step, calls, repeats):
+            step()
+            timed.append((mode, calls))
+            return Timing(us, us, us, 1.0, repeats)
+        return time
+
+    monkeypatch.setattr(run, "time_graph", timer("graph", 10.0))
+    monkeypatch.setattr(run, "time_eager", timer("eager", 20.0))
+    return timed
+
+
+def test_synthetic_linears(cpu_bench):
+    request = BenchRequest(shapes=((256, 384),), bits=(2.0, 4.0), tokens=(1, 16), modes=("graph", "eager"),
+                           replays=5)
+    report = run.run_bench(request)
+    assert [(c.bits, c.tokens) for c in report.cases] == [(2.0, 1), (2.0, 16), (4.0, 1), (4.0, 16)]
+    for case in report.cases:
+        assert case.weight_bytes == exl3_weight_bytes(256, 384, case.bits)
+        assert case.floor_us == pytest.approx(floor_us(case.weight_bytes, COPY_TBS))
+        impls = [(r.implementation, r.mode, r.status) for r in case.results]
+        assert impls == [(name, mode, "ok") for name in ("exl3tool", "dequant+fp16", "torch fp16")
+                         for mode in ("graph", "eager")]
+        for r in case.results:
+            assert r.check.passed and r.compile_s == 0.25 and r.copies == 3
+            assert set(r.vs) == {"exl3tool", "dequant+fp16", "torch fp16"} - {r.implementation}
+    assert not report.wrong
+    assert set(cpu_bench) == {("graph", 3), ("eager", 3)}  # each loop rotates through every weight copy
+    assert report.settings.modes == ("graph", "eager")
+
+
+def test_synthetic_moe_block(cpu_bench):
+    request = BenchRequest(moe=(MoESpec(8, 2, 256, 128),), bits=(4.0,), tokens=(1, 64), modes=("graph", "eager"),
+                           replays=5)
+    report = run.run_bench(request)
+    assert [c.tokens for c in report.cases] == [1, 64]
+    one, many = report.cases
+    assert one.kind == "moe" and one.group == "moe 256x256 K4 mcg 8e top-2"
+    assert one.experts["touched"] == 2 and many.experts["touched"] == 8  # 64 tokens reach every expert
+    per_expert = 3 * exl3_weight_bytes(256, 128, 4)
+    assert one.weight_bytes == 2 * per_expert and many.weight_bytes == 8 * per_expert
+    assert one.flops == 2 * 2 * 3 * 256 * 128  # one token, two routes, three linears
+    status = {(r.implementation, r.mode): r.status for r in one.results}
+    assert status == {("per-expert", "graph"): "eager-only", ("per-expert", "eager"): "ok"}
+    assert all(r.check.passed for r in one.results)
+
+
+def test_model_layer(cpu_bench):
+    request = BenchRequest(model=str(model_dir("qwen3moe_mul1")), layer=1, tokens=(4,), replays=5)
+    report = run.run_bench(request)
+    kinds = [(c.kind, c.name, c.shape) for c in report.cases]
+    # every distinct (in, out, K, codebook) once, named by its first linear; then the layer's MoE block
+    assert kinds == [("linear", "self_attn.q_proj (+1 alike)", "256x256"),
+                     ("linear", "self_attn.k_proj (+9 alike)", "256x128"),  # k, v, 4 experts' gate and up
+                     ("linear", "mlp.experts.0.down_proj (+3 alike)", "128x256"),
+                     ("moe", "mlp", "256x256")]
+    assert report.cases[0].codebook == "mul1" and report.cases[-1].experts["experts"] == 4
+    assert all(r.check.passed for c in report.cases for r in c.results if r.check is not None)
+
+
+def test_dense_model_layer(cpu_bench):
+    report = run.run_bench(BenchRequest(model=str(model_dir("llama_mcg")), layer=0, tokens=(3,), replays=5))
+    mlp = report.cases[-1]
+    assert (mlp.kind, mlp.name) == ("mlp", "mlp") and mlp.bits is not None
+    assert [r.implementation for r in mlp.results] == ["exl3tool", "dequant+fp16", "torch fp16"]
+    assert all(r.status == "ok" and r.check.passed for r in mlp.results)
+    import exl3tool
+
+    with exl3tool.open_checkpoint(str(model_dir("llama_mcg"))) as ckpt:
+        block = ckpt.layer(0).mlp
+    assert mlp.flops == sum(2 * 3 * i.in_features * i.out_features for i in block.linears)
+    assert mlp.weight_bytes == sum(exl3_weight_bytes(i.in_features, i.out_features, i.bits) for i in block.linears)
+
+
+def test_wrong_implementation_is_reported_not_timed(cpu_bench, monkeypatch):
+    wrong = dict(C.LINEAR_IMPLEMENTATIONS, exl3tool=lambda g, x: C.Impl(
+        "exl3tool", lambda c: torch.zeros(x.shape[0], g.info.out_features), 2, 1))
+    monkeypatch.setattr(C, "LINEAR_IMPLEMENTATIONS", wrong)
+    report = run.run_bench(BenchRequest(shapes=((128, 128),), tokens=(2,), replays=5))
+    (case,) = report.cases
+    ours = case.results[0]
+    assert ours.implementation == "exl3tool" and ours.status == "wrong" and ours.timing is None
+    assert not ours.check.passed and ours.vs == {}
+    assert report.wrong == [(case, ours)]
+    assert cpu_bench == [("graph", 3), ("graph", 3)]  # only the two peers were timed
