@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from exl3tool.errors import Problem, ProblemKind, UsageError
+from exl3tool.errors import Exl3Error, Problem, ProblemKind, UsageError
 from exl3tool.format import CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo
 from exl3tool.io.config import CONFIG
 from exl3tool.io.scan import scan_checkpoint
@@ -318,7 +318,12 @@ def inspect_checkpoint(source, revision: str | None = None, *, layer=None, data_
 def _inspect_prepared(source, layer, data_checks: bool) -> InspectReport:
     from exl3tool.prepared import load_prepared
 
-    prepared = load_prepared(source, verify_hashes=False)  # check() below hashes, collecting what differs
+    try:
+        prepared = load_prepared(source, verify_hashes=False)  # check() below hashes, collecting what differs
+    except Exl3Error as e:  # the loader names files relative to the folder: name the folder too
+        if e.path is not None and not Path(e.path).is_absolute() and e.path != str(source):
+            e.path = str(Path(str(source)) / e.path)
+        raise
     try:
         problems = prepared.check() if data_checks else []
         return build_report(prepared.model, problems, str(source), prepared.root, layer=layer, prepared=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -81,3 +82,38 @@ def test_python_dash_m_and_console_script_agree():
 def test_version():
     result = run_cli("--version")
     assert result.exit_code == 0 and result.stdout.startswith("exl3tool ")
+
+
+def test_help_of_every_command():
+    """-h is --help; arguments read as the README writes them (MODEL), never Typer's {model} or <str>."""
+    import re
+
+    import typer
+
+    from exl3tool.cli import app
+
+    commands = typer.main.get_command(app).commands
+    assert {"inspect", "prepare", "verify"} <= set(commands)
+    assert run_cli("-h").stdout == run_cli("--help").stdout
+    for name in commands:
+        short, long = run_cli(name, "-h"), run_cli(name, "--help")
+        assert short.exit_code == 0 and short.stdout == long.stdout
+        assert short.stdout.startswith(f"Usage: exl3tool {name} [OPTIONS]"), short.stdout
+        assert not re.search(r"\{\w+\}|<(str|int|float|bool|path|int range|float range)>", short.stdout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-f", "yaml"], "--format must be human or json, not 'yaml'"),
+    (["--layer", "one"], "--layer 'one': expected 'all' or layer numbers and ranges like 0-3,7,10-"),
+])
+def test_choice_and_layer_errors_read_like_every_other_usage_error(args, message):
+    result = run_cli("inspect", EXAMPLE, *args)
+    assert result.exit_code == 2 and result.stderr == f"exl3tool: usage error: {message}\n"
+
+
+def test_json_output_is_strict_json():
+    def refuse(name):
+        raise ValueError(name)
+
+    text = run_cli("inspect", EXAMPLE, "-f", "json").stdout
+    assert json.loads(text, parse_constant=refuse)["sound"] is True
