@@ -107,6 +107,15 @@ def test_unreadable_input_file(tmp_path):
     assert result.exit_code == 2 and "in.safetensors" in result.stderr
 
 
+def test_input_that_is_not_a_regular_file(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0", "--input", tmp_path / "fifo")
+    assert result.exit_code == 2 and result.stderr == \
+        f"exl3tool: unreadable input: {tmp_path / 'fifo'}: --input: a FIFO, not a regular file\n"
+
+
 def test_input_of_the_wrong_width_is_refused_before_any_gpu_work(tmp_path):
     path = tmp_path / "in.safetensors"
     save_file({"model.layers.0.self_attn.q_proj.input": torch.zeros(4, 7, dtype=torch.float16)}, path)

@@ -13,7 +13,8 @@ from exl3tool.cli.console import stderr, stdout
 from exl3tool.cli.errors import EXIT_PROBLEMS, EXIT_SOUND, command_errors
 from exl3tool.cli.params import LAYER_HELP, FormatOpt, ModelArg, RevisionOpt, choice, layers, wants_json
 from exl3tool.cli.render.verify import render_human, render_json
-from exl3tool.errors import UsageError
+from exl3tool.errors import UnreadableInputError, UsageError
+from exl3tool.io.reading import kind_of
 from exl3tool.verify import DTYPES, MOE_PATHS, Thresholds, verify as run_verify
 
 DEFAULTS = Thresholds()
@@ -60,6 +61,8 @@ def verify(
     moe_path = choice("--moe-path", moe_path, MOE_PATHS)
     with command_errors(as_json):
         thresholds = _thresholds(max_rel_l2, min_cosine, max_abs)
+        if input_file is not None and (why := kind_of(input_file)):  # a FIFO would block the safetensors reader
+            raise UnreadableInputError(f"--input: {why}", path=input_file)
         with _progress(enabled=not as_json and not selection.single) as progress:
             report = run_verify(model, selection, tokens=tokens, seed=seed, input_file=input_file,
                                 save_output=save_output, thresholds=thresholds, dtype=dtype, device=device,
