@@ -23,7 +23,7 @@ class _Lin:
     """DeviceLinear stand-in on the CPU: the loaded tensors."""
 
     def __init__(self, t, device=None):
-        self.t = t
+        self.t, self.info = t, t.info
 
 
 def _reference_linear(x, lin, out_dtype=None, path="auto", out=None):
@@ -132,3 +132,16 @@ def test_wrong_implementation_is_reported_not_timed(cpu_bench, monkeypatch):
     assert not ours.check.passed and ours.vs == {}
     assert report.wrong == [(case, ours)]
     assert cpu_bench == [("graph", 3), ("graph", 3)]  # only the two peers were timed
+
+
+def test_linear_with_bias_every_implementation_checks(cpu_bench):
+    from exl3tool.synthetic import random_linear
+
+    ctx = run.Context(torch.device("cpu"), torch.float16, 0, 1 << 20, COPY_TBS, ())
+    t = random_linear(256, 200, 3, "3inst", seed=5, bias=True, name="biased")
+    group = C.LinearGroup("biased", [t, C.clone(t)], ctx)
+    case = run.measure(group.setup(5), ctx, BenchRequest(shapes=((256, 200),), replays=5))
+    assert case.weight_bytes == exl3_weight_bytes(256, 200, 3, bias=True)
+    assert [(r.implementation, r.status) for r in case.results] == [
+        ("exl3tool", "ok"), ("dequant+fp16", "ok"), ("torch fp16", "ok")]
+    assert all(r.check.passed for r in case.results)

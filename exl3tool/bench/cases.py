@@ -24,7 +24,7 @@ from exl3tool.bench.timing import L2_MULTIPLE
 from exl3tool.format import GatedMLP, LinearInfo, LinearTensors, MoEBlock
 from exl3tool.ops import blocks
 from exl3tool.ops import moe as fused
-from exl3tool.ops.linear import DeviceLinear, linear_forward
+from exl3tool.ops.linear import DeviceLinear, choose_path, linear_forward
 
 MAX_COPIES = 256  # small weights: at most this many copies (the report says how many were used)
 COPY_MEMORY_FRACTION = 0.25  # weight copies of a group use at most this share of the GPU's free memory
@@ -124,14 +124,19 @@ def _bind(make, group, x):
 
 def _linear_exl3(path: str):
     def make(g: LinearGroup, x):
+        note = f"path {choose_path(x.shape[0], g.lins[0])} at this M" if path == "auto" else ""
         return Impl("exl3tool" if path == "auto" else "dequant+fp16",
-                    lambda c: linear_forward(x, g.lins[c], path=path), len(g.lins), g.weight_bytes)
+                    lambda c: linear_forward(x, g.lins[c], path=path), len(g.lins), g.weight_bytes, note=note)
     return make
 
 
 def _linear_torch(g: LinearGroup, x):
-    dense = g.dense(x.dtype)
-    return Impl("torch fp16", lambda c: x @ dense[c], len(dense), dense[0].numel() * dense[0].element_size())
+    dense, bias = g.dense(x.dtype), g.tensors[0].bias
+    nbytes = dense[0].numel() * dense[0].element_size()
+    if bias is None:
+        return Impl("torch fp16", lambda c: x @ dense[c], len(dense), nbytes)
+    b = bias[: g.info.out_features].to(x.dtype)
+    return Impl("torch fp16", lambda c: torch.addmm(b, x, dense[c]), len(dense), nbytes + b.numel() * b.element_size())
 
 
 def _linear_exllamav3(g: LinearGroup, x):
@@ -197,9 +202,14 @@ def _mlp_dequant(x, mlp: blocks.DeviceGatedMLP):
     return f((F.silu(f(x, mlp.gate)) * f(x, mlp.up)).to(x.dtype), mlp.down)
 
 
-def _mlp_torch(x, w):
-    gate, up, down = w
-    return (F.silu((x @ gate).float()) * (x @ up).float()).to(x.dtype) @ down
+def _mlp_torch(g: MLPGroup, x):
+    dense = g.dense(x.dtype)
+
+    def call(c):
+        gate, up, down = dense[c]
+        return (F.silu((x @ gate).float()) * (x @ up).float()).to(x.dtype) @ down
+
+    return Impl("torch fp16", call, len(dense), sum(w.numel() * w.element_size() for w in dense[0]))
 
 
 MLP_IMPLEMENTATIONS = {
@@ -207,8 +217,7 @@ MLP_IMPLEMENTATIONS = {
                                   g.weight_bytes),
     "dequant+fp16": lambda g, x: Impl("dequant+fp16", lambda c: _mlp_dequant(x, g.mlps[c]), len(g.mlps),
                                       g.weight_bytes),
-    "torch fp16": lambda g, x: (lambda d: Impl("torch fp16", lambda c: _mlp_torch(x, d[c]), len(d),
-                                               sum(w.numel() * w.element_size() for w in d[0])))(g.dense(x.dtype)),
+    "torch fp16": _mlp_torch,  # the same three matmuls with fp16 weights
 }
 
 

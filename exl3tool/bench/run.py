@@ -73,6 +73,10 @@ def measure(setup: C.Setup, ctx: Context, request: BenchRequest) -> Case:
             out, compile_s = first_call_s(lambda: impl.call(0))
             check = check_output(out, setup.reference)
             del out
+            if check.passed:
+                for c in range(1, impl.copies):  # every copy's first call (its plans) before any timing
+                    impl.call(c)
+                torch.cuda.synchronize()
         except Exception as error:  # noqa: BLE001
             results += rows(name, "failed", impl.weight_bytes, copies=impl.copies, note=_one_line(error))
             continue
@@ -81,9 +85,6 @@ def measure(setup: C.Setup, ctx: Context, request: BenchRequest) -> Case:
             results += rows(name, "wrong", note="output differs from the fp32 reference: not timed",
                             **common)
             continue
-        for c in range(1, impl.copies):  # every copy's first call (plans) before any timing
-            impl.call(c)
-        torch.cuda.synchronize()
 
         def step(impl=impl):
             for c in range(impl.copies):
