@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 from exl3tool.errors import CheckpointProblemsError, OutputError, UnreadableInputError, UsageError
 from exl3tool.io.config import CONFIG, read_json
+from exl3tool.io.reading import open_regular, read_bounded
 from exl3tool.io.scan import Scan, scan_checkpoint
 from exl3tool.selection import LayerSelection, parse_layers
 from exl3tool.version import __version__
@@ -121,7 +122,7 @@ def source_fingerprint(scan: Scan) -> dict:
     files = []
     for name, header in sorted(scan.headers.items()):
         try:
-            with open(header.path, "rb") as f:
+            with os.fdopen(open_regular(header.path, name), "rb") as f:  # still a regular file, not swapped
                 n = int.from_bytes(f.read(8), "little")
                 digest = hashlib.sha256(f.read(n)).hexdigest()
                 start = 8 + n
@@ -137,10 +138,7 @@ def source_fingerprint(scan: Scan) -> dict:
             raise UnreadableInputError(f"cannot read: {e.strerror or e}", path=name) from None
         files.append({"name": name, "size": header.file_size, "header_sha256": digest,
                       "sample_sha256": sample.hexdigest()})
-    try:
-        config_sha = hashlib.sha256((scan.root / CONFIG).read_bytes()).hexdigest()
-    except OSError as e:
-        raise UnreadableInputError(f"cannot read: {e.strerror or e}", path=CONFIG) from None
+    config_sha = hashlib.sha256(read_bounded(scan.root / CONFIG, str(scan.root / CONFIG))).hexdigest()
     body = {"config_sha256": config_sha, "files": files}
     return {"fingerprint": hashlib.sha256(canonical_json(body)).hexdigest(), **body}
 
@@ -164,7 +162,7 @@ class _SourceReader:
         try:
             fd = self.fds.get(file)
             if fd is None:
-                fd = self.fds[file] = os.open(header.path, os.O_RDONLY)
+                fd = self.fds[file] = open_regular(header.path, file)
             pos = entry.begin
             while pos < entry.end:
                 self.turn ^= 1
@@ -218,11 +216,11 @@ def _write_json_atomic(path: Path, data: dict, tmp_dir: Path) -> None:
 
 
 def _read_json(path: Path) -> dict | None:
+    """A JSON object of ours from OUT, or None for anything else (a FIFO planted there is refused, not read)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        return read_json(path, path.name)
+    except UnreadableInputError:
         return None
-    return data if isinstance(data, dict) else None
 
 
 def _ours(name: str) -> bool:
