@@ -157,3 +157,20 @@ def test_memory_stays_far_below_one_layer(tmp_path):
     assert layer_bytes > 50e6
     grown = (m["peak"] - m["base"]) * 1024
     assert grown < 0.3 * layer_bytes, (grown, layer_bytes)
+
+
+def test_a_fifo_planted_in_out_is_not_read(tmp_path):
+    """OUT's manifest.json being a FIFO: refused at once (a blocking read would hang), replaced with --overwrite."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "manifest.json")
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "exl3tool", "prepare", str(EXAMPLE), str(out), "-q", *extra], capture_output=True,
+        text=True, timeout=120, cwd=ROOT)
+    refused = run()
+    assert refused.returncode == 2 and "manifest/state cannot be read; use --overwrite" in refused.stderr
+    assert run("--overwrite").returncode == 0 and (out / "manifest.json").is_file()
