@@ -145,3 +145,21 @@ def test_linear_with_bias_every_implementation_checks(cpu_bench):
     assert [(r.implementation, r.status) for r in case.results] == [
         ("exl3tool", "ok"), ("dequant+fp16", "ok"), ("torch fp16", "ok")]
     assert all(r.check.passed for r in case.results)
+
+
+def test_cli_table_json_file_and_plot(cpu_bench, tmp_path):
+    import json
+
+    from helpers import run_cli
+
+    result = run_cli("bench", "--shape", "256x384", "--tokens", "1,16", "--mode", "both", "--replays", "5",
+                     "--plot", tmp_path / "perf.png", "--json-out", tmp_path / "perf.json")
+    assert result.exit_code == 0, result.stderr
+    assert "linear 256x384 K4 mcg" in result.stdout and "torch fp16" in result.stdout
+    assert "path gemm at this M" in result.stdout  # the auto path at M=1, as a note
+    data = json.loads((tmp_path / "perf.json").read_text())
+    assert data["schema"] == "exl3tool.bench/1" and len(data["cases"]) == 2
+    assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"
+    as_json = run_cli("bench", "--shape", "256x384", "--tokens", "4", "--replays", "5", "-f", "json").json()
+    assert [r["implementation"] for r in as_json["cases"][0]["results"]] == ["exl3tool", "dequant+fp16",
+                                                                             "torch fp16"]

@@ -43,6 +43,9 @@ def bench(
     = None,
     plot: Annotated[Optional[str], typer.Option("--plot", metavar="FILE.png", show_default=False,
                                                 help="Write time against tokens (needs the plot extra).")] = None,
+    json_out: Annotated[Optional[str], typer.Option(
+        "--json-out", metavar="FILE", show_default=False,
+        help="Also write the JSON report to FILE (with the human table on stdout).")] = None,
     sass: Annotated[bool, typer.Option("--sass", help="No GPU: compile the kernels for --arch and report "
                                                      "registers, spills, shared memory, SASS per weight.")] = False,
     arch: Annotated[str, typer.Option("--arch", metavar="sm_XX", help="Target of --sass.")] = "sm_120a",
@@ -69,7 +72,7 @@ def bench(
         bits_list, token_list = R.parse_bits(bits), R.parse_tokens(tokens)
         codebook = codebook.strip().lower()
         if sass:
-            _sass_only(model, layer, shape, moe, peer, plot, mode)
+            _sass_only(model, layer, shape, moe, peer, plot, mode, json_out)
             if not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
                 raise UsageError(f"--arch must look like sm_120a or sm_90a, not {arch!r}")
             for k in bits_list:
@@ -102,14 +105,28 @@ def bench(
             from exl3tool.cli.render.bench import render_human
 
             render_human(report, stdout)
+        if json_out is not None:
+            _write_json(report, json_out)
         if plot is not None:
             write_plot(report, plot)
     raise typer.Exit(EXIT_PROBLEMS if report.wrong else EXIT_SOUND)
 
 
-def _sass_only(model, layer, shape, moe, peer, plot, mode) -> None:
+def _write_json(report, path: str) -> None:
+    import json
+
+    from exl3tool.errors import OutputError
+
+    try:
+        with open(path, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    except OSError as err:
+        raise OutputError(f"cannot write the JSON report: {err.strerror or err}", path=path) from None
+
+
+def _sass_only(model, layer, shape, moe, peer, plot, mode, json_out) -> None:
     given = [name for name, value in (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--moe", moe),
-                                      ("--peer", peer), ("--plot", plot)) if value]
+                                      ("--peer", peer), ("--plot", plot), ("--json-out", json_out)) if value]
     if mode != "graph":
         given.append("--mode")
     if given:
