@@ -280,6 +280,6 @@ def gemm_report(config, arch: str = "sm_120a") -> KernelSass:
     from exl3tool.ops import launch
 
     cubin = compile_cubin(lambda options: launch.BUILDERS[type(config)](config, options), arch)
-    mmas = config.token_groups * mmas_per_tile(config.codebook)
+    mmas = config.token_groups * mmas_per_tile(getattr(config, "split_halves", False))
     (kernel,) = analyze_cubin(cubin, weights_per_mma=8 / mmas, dynamic_smem_bytes=config.smem_bytes)
     return kernel

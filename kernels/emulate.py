@@ -93,6 +93,11 @@ def _pack(lo, hi):
 
 
 
+def dup_half(x, half):
+    h = (_u32(x) >> np.uint32(16 * half)) & np.uint32(0xFFFF)
+    return h | (h << np.uint32(16))  # x + (-0.0) is x for every fp16 value but NaN payloads
+
+
 def hfma2_imm(a, mul, add):
     alo, ahi = _halves(a)
     mlo, mhi = _halves(np.uint32(mul))

@@ -27,7 +27,15 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .rotate import DTYPES, reduce_rotate_store
-from .trellis import TrellisPlan, codebook_constants, decode_lane, lane_word_indices, mma_a_fragment
+from .trellis import (
+    TrellisPlan,
+    codebook_constants,
+    decode_lane,
+    decode_lane_halves,
+    lane_word_indices,
+    mma_a_fragment,
+    split_halves_fragments,
+)
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
 # Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
@@ -46,6 +54,7 @@ class GemmConfig:
     stages: int = 2
     output: str | None = None  # fused output rotation: y's dtype ("float16", "bfloat16", "float32")
     has_bias: bool = False
+    split_halves: bool = False  # mcg/3inst: two MMAs per tile add each weight's halves (trellis.split_halves_fragments)
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -57,6 +66,8 @@ class GemmConfig:
             raise ValueError("k_tiles_per_stage must divide 8 (in_p/16 is a multiple of 8)")
         if self.stages < 2:
             raise ValueError("need at least two pipeline stages")
+        if self.split_halves and self.codebook == "mul1":
+            raise ValueError("split_halves is for the mcg and 3inst codebooks")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         if self.smem_bytes > SMEM_LIMIT_BYTES:
@@ -197,14 +208,19 @@ class TrellisGemm:
             x_stage = stage * cfg.x_stage_words
             for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
                 words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
-                a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
+                if cutlass.const_expr(cfg.split_halves):
+                    halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
+                else:
+                    a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
                 for mt in cutlass.range_constexpr(cfg.token_groups):
                     x_word = x_stage + (mt * 8 + g) * cfg.x_row_words + kk * 8 + q
                     b = (sX[x_word], sX[x_word + 4])
-                    c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
-                    d = ptx.mma_m16n8k16_f16_f32(a, b, c)
-                    for i in cutlass.range_constexpr(4):
-                        acc[4 * mt + i] = d[i]
+                    operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
+                    for a_m, b_m in operands:
+                        c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
+                        d = ptx.mma_m16n8k16_f16_f32(a_m, b_m, c)
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * mt + i] = d[i]
 
         # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
         col = (col_tile0 + warp) * 16 + g

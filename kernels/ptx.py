@@ -91,6 +91,17 @@ def half2_to_f32(x, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def dup_half(x, half: int, *, loc=None, ip=None) -> Int32:
+    """``(h, h)`` for h the low (0) or high (1) fp16 half of x, as an exact fp16 add of -0.0 reading one
+    half twice: an HADD2 with an operand swizzle (FMA pipe) instead of a PRMT (ALU pipe)."""
+    text = (
+        "{.reg .b16 lo, hi; .reg .b32 t, z; mov.b32 {lo, hi}, $1; mov.b32 z, 0x80008000; "
+        f"mov.b32 t, {{{('lo', 'hi')[half]}, {('lo', 'hi')[half]}}}; add.rn.f16x2 $0, t, z;}}"
+    )
+    return _asm_i32([x], text, "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def mul_lo_imm(x, factor: int, *, loc=None, ip=None) -> Int32:
     return _asm_i32([x], f"mul.lo.u32 $0, $1, {_u32(factor)};", "=r,r", loc=loc, ip=ip)
 

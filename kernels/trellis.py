@@ -222,6 +222,16 @@ def states_to_half2(codebook: str, states, ops, consts):
     return [ops.half_sums(masked[2 * p], masked[2 * p + 1]) for p in range(4)]
 
 
+def states_to_halves(codebook: str, states, ops, consts):
+    """mcg / 3inst without the final fp16 add: register j holds the two fp16 halves whose sum is weight j."""
+    if codebook not in ("mcg", "3inst"):
+        raise ValueError(f"the {codebook} codebook has no unsummed halves")
+    hashed = [ops.mul_lo_imm(s, MCG_MUL) if codebook == "mcg" else ops.mad_lo_imm(s, INST3_MUL, INST3_ADD)
+              for s in states]
+    (flip,) = consts
+    return [ops.and_xor(x, FP16_MASK, flip) for x in hashed]
+
+
 def decode_lane(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
     """Lane's 8 weights as 4 fp16x2 registers: (w0,w1), (w2,w3), (w4,w5), (w6,w7).
 
@@ -229,9 +239,23 @@ def decode_lane(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
     return states_to_half2(codebook, lane_states(plan, words, shift, ops), ops, consts)
 
 
-def mmas_per_tile(codebook: str) -> int:
+def decode_lane_halves(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
+    """Lane's 8 weights as unsummed fp16 half pairs (``states_to_halves``): for ``split_halves_fragments``."""
+    return states_to_halves(codebook, lane_states(plan, words, shift, ops), ops, consts)
+
+
+def mmas_per_tile(split_halves: bool = False) -> int:
     """Tensor-core instructions a decoded 16x16 tile feeds per 8 tokens."""
-    return 1
+    return 2 if split_halves else 1
+
+
+def split_halves_fragments(halves, b, ops):
+    """Two MMAs that add each weight's two fp16 halves in the tensor core instead of an HADD2 + PRMT per pair:
+    in MMA m, k-slots (2q, 2q+1) of row n hold the halves of weight (k = 2q + m, n) and B holds x[2q + m] in
+    both slots (likewise 2q+8+m). Returns ((a, b) of MMA 0, (a, b) of MMA 1) from the lane's B words
+    ``b = (x[2q], x[2q+1]), (x[2q+8], x[2q+9])``. The weight is then never rounded to fp16 (exact fp32 sums)."""
+    dup = [[ops.dup_half(w, h) for w in b] for h in (0, 1)]  # (lo, lo), (hi, hi)
+    return tuple(((halves[m], halves[4 + m], halves[2 + m], halves[6 + m]), tuple(dup[m])) for m in range(2))
 
 
 def mma_a_fragment(pairs):

@@ -11,9 +11,11 @@ from exl3tool.kernels.trellis import (
     SUPPORTED_BITS,
     TrellisPlan,
     decode_lane,
+    decode_lane_halves,
     codebook_constants,
     lane_word_indices,
     mma_a_fragment,
+    split_halves_fragments,
     tile_position,
 )
 from exl3tool.reference import decode_trellis
@@ -83,3 +85,31 @@ def test_swapped_mma_fragments_compute_x_times_w_hat(bits, codebook):
     # The GEMM epilogue: c0 -> (token 2q, col g), c1 -> (2q+1, g), c2 -> (2q, g+8), c3 -> (2q+1, g+8).
     y[2 * q, g], y[2 * q + 1, g], y[2 * q, g + 8], y[2 * q + 1, g + 8] = d
     np.testing.assert_allclose(y, x.astype(np.float64) @ tile.astype(np.float64), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (2.0, "3inst"), (6.0, "mcg")])
+def test_split_halves_mmas_compute_x_times_the_unrounded_weights(bits, codebook):
+    """Two MMAs on unsummed halves with duplicated activations (``split_halves_fragments``) = x @ (lo + hi) exactly;
+    lo + hi rounded to fp16 is the reference W_hat, so the GEMM differs from x @ W_hat only by that rounding."""
+    plan = TrellisPlan(bits)
+    ring16 = random_tiles(bits, 1, seed=11)
+    ring = ring16[0, 0].numpy().view(np.uint32)
+    idx, shift = lane_word_indices(plan, LANES)
+    consts = codebook_constants(codebook, emulate)
+    halves = decode_lane_halves(plan, codebook, [ring[i] for i in idx], shift, emulate, consts)
+    w = np.zeros((16, 16))
+    for j in range(8):
+        lo, hi = emulate._halves(halves[j])
+        for lane in range(32):
+            w[tile_position(lane, j)] = lo[lane] + hi[lane]
+    ref = decode_trellis(ring16.reshape(1, 1, -1), codebook, bits).numpy()
+    assert np.array_equal(w.astype(np.float16).view(np.uint16), ref.view(np.uint16))
+    x = np.random.default_rng(7).standard_normal((8, 16)).astype(np.float16)
+    words = x.view(np.uint32)
+    g, q = LANES // 4, LANES % 4
+    acc = [np.zeros(32)] * 4
+    for a, b in split_halves_fragments(halves, (words[g, q], words[g, q + 4]), emulate):
+        acc = emulate.mma_m16n8k16(a, b, acc)
+    y = np.full((8, 16), np.nan)
+    y[2 * q, g], y[2 * q + 1, g], y[2 * q, g + 8], y[2 * q + 1, g + 8] = acc
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-12, atol=1e-12)

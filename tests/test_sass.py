@@ -3,8 +3,10 @@
 import pytest
 
 from exl3tool import sass
-from exl3tool.kernels.gemm import CHUNK_UNROLL, fitting_config
+from exl3tool.kernels.gemm import CHUNK_UNROLL, GemmConfig, fitting_config
 from exl3tool.kernels.trellis import mmas_per_tile
+
+pytestmark = pytest.mark.compile
 
 # sm_120a main loop of the M <= 8 decode GEMM, SASS instructions per decoded weight. A regression past these fails.
 MAX_PER_WEIGHT = {2.0: 6.2, 4.0: 6.2, 6.0: 7.4}
@@ -27,11 +29,11 @@ def test_k4_mcg_gemm_main_loop(k4_mcg):
     cfg, k = k4_mcg
     loop = k.main_loop
     # Every decoded tile of the loop feeds its MMAs; nothing else is a tensor-core instruction.
-    assert loop.mmas == CHUNK_UNROLL * cfg.k_tiles_per_stage * cfg.token_groups * mmas_per_tile(cfg.codebook)
+    assert loop.mmas == CHUNK_UNROLL * cfg.k_tiles_per_stage * cfg.token_groups * mmas_per_tile(cfg.split_halves)
     assert loop.by_opcode["HMMA"] == loop.mmas
     assert loop.by_opcode["BAR"] >= 1 and loop.instructions[-1].root == "BRA"  # the chunk loop, barrier included
     assert sum(loop.by_pipe.values()) == len(loop.instructions)
-    assert k.loop_weights == 8 * loop.mmas / (cfg.token_groups * mmas_per_tile(cfg.codebook))
+    assert k.loop_weights == 8 * loop.mmas / (cfg.token_groups * mmas_per_tile(cfg.split_halves))
     assert 3.0 < k.per_weight <= MAX_PER_WEIGHT[4.0]
     assert k.per_weight_by_pipe["alu"] > 0.5 and k.per_weight_by_pipe["fma"] > 0.5
 
@@ -48,6 +50,32 @@ def test_k4_mcg_gemm_resources(k4_mcg):
 def test_other_rates_and_codebooks_stay_bounded(bits, codebook):
     k = sass.gemm_report(fitting_config(bits=bits, codebook=codebook, token_groups=1), "sm_120a")
     assert k.spill_instructions == 0 and k.per_weight <= MAX_PER_WEIGHT[bits] + 0.5  # mul1 / 3inst: 0.5 more
+
+
+def test_split_halves_trade_the_half_adds_for_a_second_mma():
+    one = sass.gemm_report(fitting_config(bits=4.0, codebook="mcg"), "sm_120a")
+    two = sass.gemm_report(fitting_config(bits=4.0, codebook="mcg", split_halves=True), "sm_120a")
+    assert two.main_loop.mmas == 2 * one.main_loop.mmas and "HMMA" in two.main_loop.by_opcode
+    assert two.per_weight <= one.per_weight - 0.6 and two.per_weight_by_pipe["alu"] < one.per_weight_by_pipe["alu"]
+    assert two.spill_instructions == 0
+
+
+@pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (3.0, "3inst")])
+def test_split_halves_compiles_for_sm90(bits, codebook):
+    from exl3tool.ops import launch
+    from exl3tool.ops.runtime import compile_with_ptx
+
+    cfg = fitting_config(bits=bits, codebook=codebook, split_halves=True)
+    ptx = compile_with_ptx(lambda options: launch.BUILDERS[GemmConfig](cfg, options), "sm_90a")
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") >= 2 * cfg.k_tiles_per_stage
+
+
+def test_gemm_registers_stay_within_the_planners_budget():
+    from exl3tool.ops.targets import GEMM_REGISTERS
+
+    for tg, bits, codebook in [(1, 6.0, "3inst"), (2, 7.0, "3inst"), (4, 6.0, "3inst"), (8, 7.0, "3inst")]:
+        k = sass.gemm_report(fitting_config(bits=bits, codebook=codebook, token_groups=tg), "sm_120a")
+        assert k.registers <= GEMM_REGISTERS[tg], (tg, bits, codebook, k.registers)
 
 
 def test_missing_nvdisasm_names_the_extra(monkeypatch):

@@ -27,7 +27,7 @@ from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.ops import launch
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import gemm_resident_ctas, split_k
+from exl3tool.ops.targets import gemm_resident_ctas, split_halves, split_k
 from exl3tool.ops.workspace import counters, scratch
 
 DEQUANT_MIN_TOKENS = 112  # measured crossover on the H200 (docs/perf.md)
@@ -93,14 +93,16 @@ def plan_gemm(
     hold at once (``targets``: H200 8 CTAs of the M <= 8 config per SM, SM120 7), with the least work on the
     busiest SM.
 
-    ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output) for tuning runs."""
-    info = lin.info
+    ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output, split_halves) for tuning
+    runs."""
+    info, codebook = lin.info, Codebook(lin.info.codebook).value
     if token_groups is None:
         token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
-    cfg = fitting_config(bits=float(info.bits), codebook=Codebook(info.codebook).value, token_groups=token_groups, **config)
+    arch = arch or target_arch(lin.device)
+    config.setdefault("split_halves", split_halves(arch, codebook, token_groups))
+    cfg = fitting_config(bits=float(info.bits), codebook=codebook, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)
-    arch = arch or target_arch(lin.device)
     slots = gemm_resident_ctas(arch, cfg) * sm_count
     per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count)
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)

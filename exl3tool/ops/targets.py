@@ -38,6 +38,17 @@ REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
 
 
+# Archs where the M <= 8 decode GEMM feeds each weight's two fp16 halves to two MMAs (GemmConfig.split_halves):
+# H200 measured 3-5% faster at M = 1 (an HADD2 and half a PRMT per weight traded for a second HMMA per tile) and
+# slower from M = 16. Not SM120: its fp32-accumulate mma.sync m16n8k16 takes ~32 clocks per SM sub-partition
+# (GeForce tensor rate), so two per tile would make the loop tensor-bound (~64 clk against ~48 of issue).
+SPLIT_HALVES_ARCHS = ("sm_90",)
+
+
+def split_halves(arch: str, codebook: str, token_groups: int) -> bool:
+    return arch.rstrip("af") in SPLIT_HALVES_ARCHS and codebook != "mul1" and token_groups == 1
+
+
 def limits(arch: str) -> SmLimits:
     """Limits of ``sm_XY`` with or without the ``a``/``f`` suffix."""
     base = arch.rstrip("af")

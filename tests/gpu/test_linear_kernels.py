@@ -53,7 +53,10 @@ def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, tok
     out = poisoned((plan.splits, xr.shape[0], lin.info.out_padded), torch.float32)
     partials = ops.trellis_gemm(xr, lin, plan, out=out)
     ref = decode_trellis(tensors.trellis, codebook, bits).float()
-    assert torch.equal(partials.sum(0).cpu(), ref), f"seed={seed} plan={plan}"
+    got = partials.sum(0).cpu()
+    if plan.config.split_halves:  # the two halves summed in fp32 (exact): fp16 rounding gives W_hat
+        got = got.half().float()
+    assert torch.equal(got, ref), f"seed={seed} plan={plan}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
