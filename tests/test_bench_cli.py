@@ -60,6 +60,7 @@ def test_missing_matplotlib_exits_2(monkeypatch, tmp_path):
     (["--sass", "--mode", "both"], "drop --mode"),
     (["--sass", "--arch", "hopper"], "--arch"),
     (["--format", "xml"], "--format"),
+    (["--from-json", "r.json", "--shape", "8x8"], "drop --shape"),
 ])
 def test_usage_errors_exit_2(args, needle):
     _one_error_line(run_cli("bench", *args), needle)
@@ -85,3 +86,20 @@ def test_sass_on_sm120_end_to_end():
     assert m8["per_weight"] == pytest.approx(sum(m8["per_weight_by_pipe"].values()))
     assert m8["per_weight_by_pipe"]["tensor"] == pytest.approx(1 / 8)  # one m16n8k16 per 8 weights of a lane
     assert kernels["dequant K4 mcg"]["per_weight"] is None  # no MMA loop
+
+
+def test_from_json_renders_and_plots_without_a_gpu(tmp_path):
+    import json
+
+    from test_bench_report import hand_made_report
+
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(hand_made_report().to_json()))
+    result = run_cli("bench", "--from-json", saved, "--plot", tmp_path / "perf.png")
+    assert result.exit_code == 1  # the hand-made report has a wrong row
+    assert "linear 4096x14336 K4 mcg" in result.stdout and "2.00x" in result.stdout
+    assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"
+    assert run_cli("bench", "--from-json", saved, "-f", "json").json() == json.loads(saved.read_text())
+    (tmp_path / "bad.json").write_text('{"schema": "exl3tool.verify/1"}')
+    _one_error_line(run_cli("bench", "--from-json", tmp_path / "bad.json"), "not an exl3tool bench JSON report")
+    _one_error_line(run_cli("bench", "--from-json", tmp_path / "absent.json"), "absent.json")

@@ -218,3 +218,12 @@ def test_measure_checks_before_timing(monkeypatch):
     assert by[("broken", "graph")].note == "RuntimeError: no kernel"
     assert by[("good", "graph")].compile_s == 0.5 and by[("good", "graph")].check.passed
     assert not by[("wrong", "graph")].check.passed
+
+
+def test_json_round_trip():
+    data = hand_made_report().to_json()
+    again = BenchReport.from_json(json.loads(json.dumps(data)))
+    assert again.to_json() == json.loads(json.dumps(data))
+    assert again.cases[0].results[0].timing == Timing(20.0, 19.0, 22.0, 3.0, 30)
+    with pytest.raises(ValueError):
+        BenchReport.from_json({"schema": "exl3tool.verify/1"})

@@ -92,10 +92,6 @@ class Result:
     vs: dict[str, float] = field(default_factory=dict)  # peer -> peer median / this median
     note: str = ""
 
-    @property
-    def median_us(self) -> float | None:
-        return None if self.timing is None else self.timing.median_us
-
 
 def timed_result(implementation: str, mode: str, timing: Timing, *, weight_bytes: int, flops: int,
                  copy_tbs: float, **fields) -> Result:
@@ -187,6 +183,29 @@ class BenchReport:
         for c in self.cases:
             out.setdefault(c.group, []).append(c)
         return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BenchReport":
+        """The report a `to_json()` wrote (to render or plot it again elsewhere); ValueError for another schema."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise ValueError(f"not an {SCHEMA} report")
+        s = data["settings"]
+        report = cls(Environment(**data["environment"]),
+                     Settings(**{**s, "modes": tuple(s["modes"]), "peers": tuple(s["peers"])}))
+        timing_fields = ("median_us", "min_us", "max_us", "host_us", "repeats")
+        for c in data["cases"]:
+            case = Case(c["kind"], c["name"], c["in_features"], c["out_features"], c["bits"], c["codebook"],
+                        c["tokens"], c["weight_bytes"], c["floor_us"], c["flops"], experts=c["experts"])
+            for r in c["results"]:
+                check = r["check"] and Check(**{k: math.inf if v is None and k != "passed" else v
+                                                for k, v in r["check"].items()})
+                timing = Timing(*(r[k] for k in timing_fields)) if r["median_us"] is not None else None
+                case.results.append(Result(
+                    r["implementation"], r["mode"], r["status"], r["weight_bytes"], r["copies"], check,
+                    r["compile_s"], timing, r["weight_gbs"], r["pct_copy_bw"], r["tflops"], dict(r["vs"]),
+                    r["note"]))
+            report.cases.append(case)
+        return report
 
     def to_json(self) -> dict:
         return {

@@ -46,6 +46,9 @@ def bench(
     json_out: Annotated[Optional[str], typer.Option(
         "--json-out", metavar="FILE", show_default=False,
         help="Also write the JSON report to FILE (with the human table on stdout).")] = None,
+    from_json: Annotated[Optional[str], typer.Option(
+        "--from-json", metavar="FILE", show_default=False,
+        help="No GPU: render (and --plot) a report saved with --json-out or -f json.")] = None,
     sass: Annotated[bool, typer.Option("--sass", help="No GPU: compile the kernels for --arch and report "
                                                      "registers, spills, shared memory, SASS per weight.")] = False,
     arch: Annotated[str, typer.Option("--arch", metavar="sm_XX", help="Target of --sass.")] = "sm_120a",
@@ -71,8 +74,15 @@ def bench(
     with command_errors(as_json):
         bits_list, token_list = R.parse_bits(bits), R.parse_tokens(tokens)
         codebook = codebook.strip().lower()
-        if sass:
-            _sass_only(model, layer, shape, moe, peer, plot, mode, json_out)
+        if from_json is not None:
+            _only("--from-json", (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--moe", moe),
+                                  ("--peer", peer), ("--sass", sass), ("--json-out", json_out)), mode)
+            if plot is not None:
+                R.require_matplotlib()
+            report = _read_json(from_json)
+        elif sass:
+            _only("--sass", (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--moe", moe),
+                             ("--peer", peer), ("--plot", plot), ("--json-out", json_out)), mode)
             if not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
                 raise UsageError(f"--arch must look like sm_120a or sm_90a, not {arch!r}")
             for k in bits_list:
@@ -83,20 +93,21 @@ def bench(
                 report = sass_report(arch, bits_list, codebook, token_list, progress)
             _render_sass(report, as_json)
             raise typer.Exit(EXIT_SOUND)
-        shapes = [R.parse_shape(s) for s in shape or ()]
-        if not (shapes or moe or model):
-            shapes = [R.parse_shape(DEFAULT_SHAPE)]
-        request = R.BenchRequest(
-            shapes=tuple(shapes), moe=tuple(R.parse_moe(m) for m in moe or ()), model=model, layer=layer,
-            revision=revision, bits=bits_list, codebook=codebook, tokens=token_list,
-            modes=R.parse_modes(mode), peers=tuple(dict.fromkeys(p.strip().lower() for p in peer or ())),
-            device=device, dtype=choice("--dtype", dtype, R.DTYPES), seed=seed, replays=replays)
-        if plot is not None:
-            R.require_matplotlib()
-        from exl3tool.bench import run_bench, write_plot
+        else:
+            shapes = [R.parse_shape(s) for s in shape or ()]
+            if not (shapes or moe or model):
+                shapes = [R.parse_shape(DEFAULT_SHAPE)]
+            request = R.BenchRequest(
+                shapes=tuple(shapes), moe=tuple(R.parse_moe(m) for m in moe or ()), model=model, layer=layer,
+                revision=revision, bits=bits_list, codebook=codebook, tokens=token_list,
+                modes=R.parse_modes(mode), peers=tuple(dict.fromkeys(p.strip().lower() for p in peer or ())),
+                device=device, dtype=choice("--dtype", dtype, R.DTYPES), seed=seed, replays=replays)
+            if plot is not None:
+                R.require_matplotlib()
+            from exl3tool.bench import run_bench
 
-        with _progress("benchmarking") as progress:
-            report = run_bench(request, progress, command=" ".join(["exl3tool", *sys.argv[1:]]))
+            with _progress("benchmarking") as progress:
+                report = run_bench(request, progress, command=" ".join(["exl3tool", *sys.argv[1:]]))
         if as_json:
             from exl3tool.cli.render.bench import render_json
 
@@ -108,6 +119,8 @@ def bench(
         if json_out is not None:
             _write_json(report, json_out)
         if plot is not None:
+            from exl3tool.bench import write_plot
+
             write_plot(report, plot)
     raise typer.Exit(EXIT_PROBLEMS if report.wrong else EXIT_SOUND)
 
@@ -124,13 +137,27 @@ def _write_json(report, path: str) -> None:
         raise OutputError(f"cannot write the JSON report: {err.strerror or err}", path=path) from None
 
 
-def _sass_only(model, layer, shape, moe, peer, plot, mode, json_out) -> None:
-    given = [name for name, value in (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--moe", moe),
-                                      ("--peer", peer), ("--plot", plot), ("--json-out", json_out)) if value]
-    if mode != "graph":
-        given.append("--mode")
+def _read_json(path: str):
+    import json
+
+    from exl3tool.bench import BenchReport
+    from exl3tool.errors import UnreadableInputError
+
+    try:
+        with open(path) as f:
+            return BenchReport.from_json(json.load(f))
+    except OSError as err:
+        raise UnreadableInputError(f"cannot read the report: {err.strerror or err}", path=path) from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise UnreadableInputError(f"not an exl3tool bench JSON report ({type(err).__name__}: {err})",
+                                   path=path) from None
+
+
+def _only(flag: str, others, mode: str) -> None:
+    """``flag`` runs nothing on a GPU: the options that would are refused, naming them."""
+    given = [name for name, value in others if value] + (["--mode"] if mode != "graph" else [])
     if given:
-        raise UsageError(f"--sass compiles kernels, it runs nothing: drop {', '.join(given)}")
+        raise UsageError(f"{flag} runs nothing on a GPU: drop {', '.join(given)}")
 
 
 def _render_sass(report, as_json: bool) -> None:
