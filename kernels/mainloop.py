@@ -19,6 +19,8 @@ from cutlass import Int32, Int64
 from . import ptx
 from .trellis import codebook_constants, decode_lane, lane_word_indices, mma_a_fragment
 
+CHUNK_UNROLL = 2  # two stages per loop trip: the stage index and addresses fold to constants (fewer ALU ops)
+
 
 def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g,
                n_col_tiles, tid):
@@ -95,7 +97,7 @@ def decode_mma_loop(
     g = lane // 4
     q = lane % 4
 
-    for chunk in range(n_chunks):
+    for chunk in cutlass.range(n_chunks, unroll=CHUNK_UNROLL):
         cute.arch.cp_async_wait_group(cfg.stages - 2)
         cute.arch.sync_threads()
         ahead = chunk + cfg.stages - 1

@@ -38,22 +38,20 @@ def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: c
     return route, p
 
 
-@cute.jit
-def split_sum(mP: cute.Tensor, row: Int32, col0: Int32, lane: Int32, acc: cute.Tensor):
-    """``acc[0:4]`` = four consecutive columns of ``sum_s P[s, row, col0 + 4*lane ..]``, splits in index order."""
+def summed(mP, row, col0, lane, splits: int):
+    """Four consecutive columns of ``sum_s P[s, row, col0 + 4*lane ..]``, splits in index order. The split count
+    is a compile-time constant, so every load is issued before the first add waits."""
     addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0 + 4 * lane) * 4
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * 4
-    acc.fill(0.0)
-    for s in cutlass.range(mP.shape[0], unroll=4):
-        part = ptx.ld_global_cg_v4_f32(addr + s * split_bytes)
-        for i in cutlass.range_constexpr(4):
-            acc[i] = acc[i] + part[i]
+    parts = [ptx.ld_global_cg_v4_f32(addr + s * split_bytes) for s in range(splits)]
+    return [sum_in_order([p[i] for p in parts]) for i in range(4)]
 
 
-def summed(mP, row, col0, lane):
-    acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-    split_sum(mP, row, col0, lane, acc)
-    return [acc[i] for i in range(4)]
+def sum_in_order(values):
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
 
 
 @dataclass(frozen=True)
@@ -100,10 +98,13 @@ class RouteInputRotation:
 
 @dataclass(frozen=True)
 class IntermediateConfig:
-    """No variants (yet): the compile-cache key."""
+    splits: int  # K splits of the gate/up GEMM
 
 
 class Intermediate:
+    def __init__(self, config: IntermediateConfig):
+        self.cfg = config
+
     @cute.jit
     def __call__(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                  mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32,
@@ -123,8 +124,8 @@ class Intermediate:
         if route >= 0 and p >= 0:
             inter_p = mX2.shape[1]
             col0 = block * 128 + 4 * lane
-            gate = hadamard128(summed(mP, row, block * 128, lane), lane)
-            up = hadamard128(summed(mP, row, inter_p + block * 128, lane), lane)
+            gate = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
+            up = hadamard128(summed(mP, row, inter_p + block * 128, lane, self.cfg.splits), lane)
             h = [Float32(0.0)] * 4
             for i in cutlass.range_constexpr(4):
                 col = col0 + i
@@ -141,6 +142,7 @@ class Intermediate:
 class TopKSumConfig:
     routes_per_token: int  # k, plus one for shared experts
     out_dtype: str  # "float16" | "bfloat16" | "float32"
+    splits: int = 1  # K splits of the down GEMM
 
 
 class TopKSum:
@@ -170,7 +172,7 @@ class TopKSum:
                 row = mRouteRow[route]
                 svh = mSvhRow[mIds[tok, j]]
                 weight = Float32(mW[tok, j])
-                v = hadamard128(summed(mP, row, block * 128, lane), lane)
+                v = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
                 acc = [acc[i] + weight * (v[i] * Float32(mSvh[svh, col0 + i])) for i in range(4)]
             for i in cutlass.range_constexpr(4):
                 if col0 + i < mY.shape[1]:

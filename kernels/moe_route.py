@@ -163,6 +163,7 @@ class MoERoute:
 
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), 16)
         sCount = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
         sCursor = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
 
@@ -211,7 +212,7 @@ class MoERoute:
             cute.arch.sync_threads()
             if sFlag[1] != 0:
                 ptx.fence_gpu()
-                self.pack(mIds, mBlockExpert, mRowRoute, mRouteRow, block_rows, sCount, sCursor, sFlag, tid)
+                self.pack(mIds, mBlockExpert, mRowRoute, mRouteRow, block_rows, sCount, sCursor, sFlag, sScan, tid)
                 if tid == 0:
                     ptx.st_global_u32(last, Int32(0))
 
@@ -320,7 +321,8 @@ class MoERoute:
 
     @cute.jit
     def pack(self, mIds: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, mRouteRow: cute.Tensor,
-             block_rows: Int32, sCount: cute.Tensor, sCursor: cute.Tensor, sFlag: cute.Tensor, tid: Int32):
+             block_rows: Int32, sCount: cute.Tensor, sCursor: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
+             tid: Int32):
         """One CTA: routes grouped by expert, each expert's rows padded to ``block_rows``."""
         experts = self.cfg.packed_experts
         routes = mIds.shape[0] * mIds.shape[1]
@@ -331,15 +333,32 @@ class MoERoute:
         for i in range(tid, routes, THREADS):
             cute.arch.atomic_add(sCount.iterator + ld_cg_s32(ids + Int64(i) * 4), Int32(1))
         cute.arch.sync_threads()
-        if tid == 0:
-            start = Int32(0)
-            for e in range(experts):
-                blocks = (sCount[e] + block_rows - 1) // block_rows
-                sCursor[e] = start
-                for b in range(blocks):
-                    mBlockExpert[start // block_rows + b] = e
-                start = start + blocks * block_rows
-            sFlag[2] = start // block_rows
+        # Exclusive prefix sum of the padded counts: thread t owns experts [t*per, (t+1)*per).
+        per = (experts + THREADS - 1) // THREADS
+        first = cutlass.min(tid * per, experts)
+        last = cutlass.min(first + per, experts)
+        rows = Int32(0)
+        for e in range(first, last):
+            rows = rows + (sCount[e] + block_rows - 1) // block_rows * block_rows
+        lane = tid % 32
+        scan = rows
+        for bit in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(scan, 1 << bit)
+            scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
+        if lane == 31:
+            sScan[tid // 32] = scan
+        cute.arch.sync_threads()
+        start = scan - rows
+        for w in cutlass.range_constexpr(THREADS // 32):
+            start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
+        if tid == THREADS - 1:
+            sFlag[2] = (start + rows) // block_rows
+        for e in range(first, last):
+            blocks = (sCount[e] + block_rows - 1) // block_rows
+            sCursor[e] = start
+            for b in range(blocks):
+                mBlockExpert[start // block_rows + b] = e
+            start = start + blocks * block_rows
         cute.arch.sync_threads()
         for b in range(sFlag[2] + tid, mBlockExpert.shape[0], THREADS):
             mBlockExpert[b] = -1

@@ -53,8 +53,8 @@ def test_route_compiles(config):
 
 
 @pytest.mark.parametrize("config", [RouteInputRotationConfig("float16"), RouteInputRotationConfig("bfloat16"),
-                                    IntermediateConfig(), TopKSumConfig(8, "float16"), TopKSumConfig(9, "bfloat16"),
-                                    TopKSumConfig(3, "float32")], ids=str)
+                                    IntermediateConfig(1), IntermediateConfig(4), TopKSumConfig(8, "float16", 3),
+                                    TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16)], ids=str)
 def test_rotations_compile(config):
     assert ptx_of(config).count("shfl.sync.bfly") >= 5 * 4
 

@@ -265,7 +265,7 @@ class MoEPlan:
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
         step.route = (K.compiled(route_cfg, arch), logits, ids, weights, block_expert, row_route, route_row, bias)
         rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype]), arch)
-        inter = K.compiled(IntermediateConfig(), arch)
+        inter = K.compiled(IntermediateConfig(s.splits13), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         tg = s.block_rows // 8
         for g in d.groups:
@@ -286,7 +286,7 @@ class MoEPlan:
                 (K.launch_gemm, K.compiled(g2, arch), (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert,
                                                        g.group_row, per2)),
             ]
-        step.final = (K.compiled(TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype]), arch), p2, ids, weights,
+        step.final = (K.compiled(TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype], s.splits2), arch), p2, ids, weights,
                       route_row)
         return step
 

@@ -66,7 +66,7 @@ def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
 def build_intermediate(cfg: IntermediateConfig, options: str):
     args = [_fake(F32, None, None, None), _fake(F16, None, None), _fake(F16, None, None), _fake(I32, None),
             _fake(I32, None), _fake(I32, None), 0, 0]
-    return _compile(Intermediate(), args, options)
+    return _compile(Intermediate(cfg), args, options)
 
 
 def build_topk_sum(cfg: TopKSumConfig, options: str):

@@ -83,6 +83,7 @@ def test_moe_path_is_chosen_and_reported(path):
     report = result.json()
     assert report["moe_path"] == path and report["passed"]
     moe = [c for c in report["checks"] if c["kind"] == "moe"]
-    assert moe and all(c["path"] == path and c["vs_recorded"] is not None for c in moe)
+    assert moe and all(c["path"] == path for c in moe)
+    assert any(c["vs_recorded"] is not None for c in moe)  # layer 0's block was recorded by ExLlamaV3
     # the expert projections are still checked one by one with the dense kernel
     assert any(".experts." in c["name"] and c["kind"] == "linear" for c in report["checks"])
