@@ -4,11 +4,17 @@
 
 is one tensor-core GEMM (cuBLAS) with no rotation pass over the activations (``reference.linear.reconstruct``).
 
-One CTA per 128x128 block (input block ``bi``, output block ``bj``): warp w decodes tile row w of the block (the
-same lane decode as the GEMM) into shared memory as fp32; then every row is rotated (H128 from the right, one warp
-per row, lane l holding columns l + 32r), then every column (H128 from the left), scaled by suh and svh and
-rounded once to fp16/bf16. Rows of the fp32 block are 129 words apart, so a warp reading a column hits 32 banks.
-The column pass writes W'^T row ``bj*128 + j`` at inputs ``bi*128 + l + 32r``: 64-byte runs per instruction.
+One CTA per 128x128 block (input block ``bi``, output block ``bj``), fp32 throughout, one rounding at the end.
+H128 is a product of butterflies, one per index bit, in any order and any assignment of index bits to registers
+and lanes (the same before and after), which both passes use to keep most butterflies in registers:
+
+1. Rows: warp w decodes tile row w (8 tiles, the GEMM's lane decode). A lane then holds, for each of its 4 input
+   rows, 16 of the 128 columns (column bits 3..6 = tile and half, in registers; bits 0..2 = lane bits 2..4), so
+   H128 over the columns is 4 register stages and 3 shuffle stages. Scaled by svh/128, stored to shared memory.
+2. Columns: 8 lanes per column, lane s holding rows s + 8r (r = 0..15): again 4 register and 3 shuffle stages;
+   scaled by suh, rounded, written to W'^T row ``bj*128 + j``.
+
+Rows of the shared block are 132 words apart: both the row stores and the column loads hit 32 distinct banks.
 """
 
 from dataclasses import dataclass
@@ -20,12 +26,28 @@ from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import DTYPES, hadamard128
-from .trellis import TrellisPlan, codebook_constants, decode_lane, lane_word_indices, tile_position
+from .rotate import DTYPES
+from .trellis import TrellisPlan, codebook_constants, decode_lane, lane_word_indices
 
 WARPS = 8  # one per tile row of the 128x128 block
-STRIDE = 129  # fp32 words per shared-memory row (odd: column reads are conflict-free)
+STRIDE = 132  # fp32 words per shared-memory row (4 mod 32: conflict-free for both access patterns)
 SMEM_BYTES = 128 * STRIDE * 4
+
+
+def butterflies(v, lane, lane_bits):
+    """Unscaled Walsh-Hadamard over the index bits held in registers (``len(v)`` a power of two) and in the
+    given lane bits (exchanged with ``shfl.bfly``): the lane with the bit set keeps partner - self."""
+    v = list(v)
+    step = 1
+    while step < len(v):
+        for base in range(0, len(v), 2 * step):
+            for k in range(base, base + step):
+                v[k], v[k + step] = v[k] + v[k + step], v[k] - v[k + step]
+        step *= 2
+    for bit in lane_bits:
+        sign = Float32(1.0) - Float32(2.0) * Float32((lane >> bit) & 1)
+        v = [cute.arch.shuffle_sync_bfly(x, 1 << bit) + sign * x for x in v]
+    return v
 
 
 @dataclass(frozen=True)
@@ -62,32 +84,32 @@ class Fold:
         smem = SmemAllocator()
         block = smem.allocate_tensor(Float32, cute.make_layout(128 * STRIDE), 16)
 
-        # Decode: warp w, tile (w, n) of the block; weight j of the lane sits at tile_position(lane, j).
+        # 1. Rows. Weight j of tile n sits at (row 2q + (0, 1, 8, 9)[j % 4], column g + 8 * (j // 4)).
         word_idx, shift = lane_word_indices(plan, lane)
         consts = codebook_constants(self.cfg.codebook, ptx)
+        g, q = lane // 4, lane % 4
+        rows = [[None] * 16 for _ in range(4)]  # rows[j % 4][2n + j // 4]: column 8 * (2n + j // 4) + g
         for n in cutlass.range_constexpr(8):
             words = [mW[bi * 8 + warp, bj * 8 + n, i] for i in word_idx]
             pairs = decode_lane(plan, self.cfg.codebook, words, shift, ptx, consts)
             for p in cutlass.range_constexpr(4):
                 halves = ptx.half2_to_f32(pairs[p])
                 for h in cutlass.range_constexpr(2):
-                    row, col = tile_position(lane, 2 * p + h)
-                    block[(warp * 16 + row) * STRIDE + n * 16 + col] = halves[h]
+                    j = 2 * p + h
+                    rows[j % 4][2 * n + j // 4] = halves[h]
+        svh = [Float32(mSvh[bj * 128 + 8 * m + g]) * Float32(1.0 / 128.0) for m in range(16)]  # both H128 scales
+        for r4 in cutlass.range_constexpr(4):
+            v = butterflies(rows[r4], lane, (2, 3, 4))
+            row = warp * 16 + 2 * q + (0, 1, 8, 9)[r4]
+            for m in cutlass.range_constexpr(16):
+                block[row * STRIDE + 8 * m + g] = v[m] * svh[m]
         cute.arch.sync_threads()
 
-        # Rows: W_hat Hbd (H128 over the output index of each input row).
-        for r in cutlass.range_constexpr(16):
-            base = (warp * 16 + r) * STRIDE + lane
-            v = hadamard128([block[base + 32 * k] for k in range(4)], lane)
-            for k in cutlass.range_constexpr(4):
-                block[base + 32 * k] = v[k]
-        cute.arch.sync_threads()
-
-        # Columns: Hbd (.) from the left, then suh (rows) and svh (columns), one rounding.
-        suh = [Float32(mSuh[bi * 128 + lane + 32 * k]) for k in range(4)]
-        for c in cutlass.range_constexpr(16):
-            col = warp * 16 + c
-            v = hadamard128([block[(lane + 32 * k) * STRIDE + col] for k in range(4)], lane)
-            svh = Float32(mSvh[bj * 128 + col])
-            for k in cutlass.range_constexpr(4):
-                mOut[bj * 128 + col, bi * 128 + lane + 32 * k] = out_type(v[k] * suh[k] * svh)
+        # 2. Columns 16w + 4c + lane // 8; lane s = lane % 8 holds rows s + 8r.
+        s = lane % 8
+        suh = [Float32(mSuh[bi * 128 + s + 8 * r]) for r in range(16)]
+        for c in cutlass.range_constexpr(4):
+            col = warp * 16 + 4 * c + lane // 8
+            v = butterflies([block[(s + 8 * r) * STRIDE + col] for r in range(16)], lane, (0, 1, 2))
+            for r in cutlass.range_constexpr(16):
+                mOut[bj * 128 + col, bi * 128 + s + 8 * r] = out_type(v[r] * suh[r])
