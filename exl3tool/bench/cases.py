@@ -27,6 +27,7 @@ from exl3tool.ops import moe as fused
 from exl3tool.ops.linear import DeviceLinear, choose_path, linear_forward
 
 MAX_COPIES = 256  # small weights: at most this many copies (the report says how many were used)
+MAX_MOE_COPIES = 32  # a MoE copy is every expert of the layer (and a model load for ExLlamaV3)
 COPY_MEMORY_FRACTION = 0.25  # weight copies of a group use at most this share of the GPU's free memory
 
 
@@ -251,7 +252,8 @@ class MoEGroup:
         return self._loaded[name]
 
     def copies_for(self, touched_bytes: int) -> int:
-        return min(weight_copies(touched_bytes, self.ctx.l2_bytes), memory_limit(self.total_bytes, self.ctx.device))
+        return min(weight_copies(touched_bytes, self.ctx.l2_bytes, MAX_MOE_COPIES),
+                   memory_limit(self.total_bytes, self.ctx.device))
 
     def experts(self, copies: int) -> list[dict]:
         """Per-expert DeviceGatedMLPs of ``copies`` weight copies (copy 0: the checkpoint's own tensors)."""
