@@ -163,3 +163,17 @@ def test_cli_table_json_file_and_plot(cpu_bench, tmp_path):
     as_json = run_cli("bench", "--shape", "256x384", "--tokens", "4", "--replays", "5", "-f", "json").json()
     assert [r["implementation"] for r in as_json["cases"][0]["results"]] == ["exl3tool", "dequant+fp16",
                                                                              "torch fp16"]
+
+
+def test_peer_rows_when_it_cannot_run(cpu_bench, monkeypatch):
+    """A requested peer that fails to build is a 'failed' row (its error as the note); ExLlamaV3's MoE block on
+    a model layer is 'skipped' (it loads whole model folders: --moe only)."""
+    monkeypatch.setattr(run, "require_peers", lambda peers: None)
+    report = run.run_bench(BenchRequest(model=str(model_dir("qwen3moe_mul1")), layer=0, tokens=(2,),
+                                        peers=("exllamav3",), replays=5))
+    linear, moe = report.cases[0], report.cases[-1]
+    peer = next(r for r in linear.results if r.implementation == "exllamav3")
+    assert peer.status == "failed" and "exllamav3" in peer.note and peer.timing is None
+    skipped = next(r for r in moe.results if r.implementation == "exllamav3")
+    assert skipped.status == "skipped" and "--moe layers only" in skipped.note
+    assert report.wrong and all(r.implementation == "exllamav3" for _, r in report.wrong)

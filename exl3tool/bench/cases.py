@@ -244,7 +244,7 @@ class MoEGroup:
         self.total_bytes = sum(self.expert_bytes) + self.shared_bytes
         self._copies: list[dict] = []  # per copy: {"experts": [DeviceGatedMLP], "shared": ...}
         self._fused: list = []
-        self._exllamav3 = None
+        self._exllamav3: list = []  # ExLlamaV3 (model, call) per weight copy
 
     def load(self, name: str, device) -> LinearTensors:
         if name not in self._loaded:
@@ -337,13 +337,11 @@ def _moe_fused(g: MoEGroup, x, copies, nbytes):
 def _moe_exllamav3(g: MoEGroup, x, copies, nbytes):
     if g.peer_folder is None:
         return Impl("exllamav3", None, 0, nbytes, note="ExLlamaV3's MoE block is measured on --moe layers only")
-    if g._exllamav3 is None:
-        g._exllamav3 = [peers.exllamav3_moe(g.peer_folder, g.layer, g.ctx.device) for _ in range(copies)]
-    while len(g._exllamav3) < copies:
-        g._exllamav3.append(peers.exllamav3_moe(g.peer_folder, g.layer, g.ctx.device))
-    models = g._exllamav3
     if x.dtype != torch.float16:
         return Impl("exllamav3", None, 0, nbytes, note="ExLlamaV3 takes float16 activations")
+    while len(g._exllamav3) < copies:  # one model load per weight copy
+        g._exllamav3.append(peers.exllamav3_moe(g.peer_folder, g.layer, g.ctx.device))
+    models = g._exllamav3
     return Impl("exllamav3", lambda c: models[c][1](x), copies, nbytes)
 
 
