@@ -27,20 +27,10 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .rotate import DTYPES, reduce_rotate_store
-from .trellis import (
-    TrellisPlan,
-    codebook_constants,
-    decode_lane,
-    decode_lane_halves,
-    lane_word_indices,
-    mma_a_fragment,
-    split_halves_fragments,
-)
+from .mainloop import CHUNK_UNROLL, decode_mma_loop  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
+from .trellis import TrellisPlan
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
-# Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
-# (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more).
-CHUNK_UNROLL = 2
 
 
 @dataclass(frozen=True)
@@ -178,52 +168,14 @@ class TrellisGemm:
         sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
         sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.x_stage_words), 16)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
-        addrs = (sW.iterator.toint(), sX.iterator.toint(), mW.iterator.toint(), mX.iterator.toint())
-
-        for st in cutlass.range_constexpr(cfg.stages - 1):
-            if st < n_chunks:
-                self.load_stage(addrs, st, st, k_begin, col_tile0, tok0, tokens, mX.shape[1], mW.shape[1], tid)
-            cute.arch.cp_async_commit_group()
 
         acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
         acc.fill(0.0)
-        word_idx, shift = lane_word_indices(plan, lane)
-        consts = codebook_constants(cfg.codebook, ptx)
-        w_lane = warp * plan.words_per_tile
-        g = lane // 4
-        q = lane % 4
-
-        for chunk in cutlass.range(n_chunks, unroll=CHUNK_UNROLL):
-            cute.arch.cp_async_wait_group(cfg.stages - 2)
-            cute.arch.sync_threads()
-            ahead = chunk + cfg.stages - 1
-            if ahead < n_chunks:
-                self.load_stage(
-                    addrs, ahead, ahead % cfg.stages, k_begin, col_tile0, tok0, tokens, mX.shape[1], mW.shape[1], tid
-                )
-            cute.arch.cp_async_commit_group()
-
-            stage = chunk % cfg.stages
-            w_stage = stage * cfg.w_stage_words + w_lane
-            x_stage = stage * cfg.x_stage_words
-            for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
-                words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
-                if cutlass.const_expr(cfg.split_halves):
-                    halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
-                else:
-                    a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
-                for mt in cutlass.range_constexpr(cfg.token_groups):
-                    x_word = x_stage + (mt * 8 + g) * cfg.x_row_words + kk * 8 + q
-                    b = (sX[x_word], sX[x_word + 4])
-                    operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
-                    for a_m, b_m in operands:
-                        c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
-                        d = ptx.mma_m16n8k16_f16_f32(a_m, b_m, c)
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * mt + i] = d[i]
-
+        decode_mma_loop(cfg, plan, acc, sW, sX, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1], mW.shape[1],
+                        col_tile0, tok0, tokens, k_begin, n_chunks)
         # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
-        col = (col_tile0 + warp) * 16 + g
+        col = (col_tile0 + warp) * 16 + lane // 4
+        q = lane % 4
         for mt in cutlass.range_constexpr(cfg.token_groups):
             tok = tok0 + mt * 8 + 2 * q
             if tok < tokens:
@@ -254,40 +206,3 @@ class TrellisGemm:
                                             DTYPES[cfg.output])
                 if tid == 0:
                     ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
-
-    def load_stage(self, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles, tid):
-        """Issue the cp.async copies of one stage: ``k_tiles_per_stage`` rows of the CTA's weight tiles (each row
-        one contiguous run of ``warps`` tiles) and the matching activation columns of the CTA's tokens.
-
-        A plain helper traced inline (not ``@cute.jit``): its loops and branches are compile-time Python."""
-        cfg = self.cfg
-        sW_addr, sX_addr, gW_addr, gX_addr = addrs
-        words = self.plan.words_per_tile
-        k_tile0 = k_begin + chunk * cfg.k_tiles_per_stage
-
-        row_chunks = cfg.w_row_words // 4
-        total = cfg.k_tiles_per_stage * row_chunks
-        for it in range((total + self.threads - 1) // self.threads):
-            i = it * self.threads + tid
-            if total % self.threads != 0:
-                i = cutlass.min(i, total - 1)  # surplus threads repeat the last copy: same bytes, same place
-            kk = i // row_chunks
-            part = i % row_chunks
-            g_word = (Int64(k_tile0 + kk) * n_col_tiles + col_tile0) * words + part * 4
-            s_word = stage * cfg.w_stage_words + kk * cfg.w_row_words + part * 4
-            ptx.cp_async_16(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
-
-        row_chunks = 2 * cfg.k_tiles_per_stage
-        total = cfg.tokens_per_cta * row_chunks
-        for it in range((total + self.threads - 1) // self.threads):
-            i = it * self.threads + tid
-            if total % self.threads != 0:
-                i = cutlass.min(i, total - 1)
-            row = i // row_chunks
-            part = i % row_chunks
-            tok = tok0 + row
-            valid = tok < tokens
-            g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_tile0 * 8 + part * 4
-            s_word = stage * cfg.x_stage_words + row * cfg.x_row_words + part * 4
-            # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
-            ptx.cp_async_16(sX_addr + s_word * 4, gX_addr + g_word * 4, cutlass.select_(valid, Int32(16), Int32(0)))

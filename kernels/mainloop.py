@@ -5,7 +5,8 @@ matrix ``W int32 [k_tiles, n_col_tiles, 8K]``; the CTA owns ``cfg.tokens_per_cta
 ``X int32 [rows, K/2]`` (fp16 pairs) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
 ``k_tiles_per_stage`` rows of weight tiles and the matching activation slab into shared memory with 16-byte
 ``cp.async``; ``stages`` are in flight. Every k-tile is decoded in registers (``trellis.decode_lane``) straight
-into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32.
+into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32;
+with ``cfg.split_halves`` each weight's two hashed fp16 halves go to two MMAs instead (``trellis``).
 
 The dense GEMM passes its whole matrix; the MoE GEMM passes the base address of one expert's plane and the
 packed rows of one expert's token block. ``cfg`` is a ``gemm.GemmConfig`` (its stage sizes are the only smem
@@ -17,9 +18,18 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from . import ptx
-from .trellis import codebook_constants, decode_lane, lane_word_indices, mma_a_fragment
+from .trellis import (
+    codebook_constants,
+    decode_lane,
+    decode_lane_halves,
+    lane_word_indices,
+    mma_a_fragment,
+    split_halves_fragments,
+)
 
-CHUNK_UNROLL = 2  # two stages per loop trip: the stage index and addresses fold to constants (fewer ALU ops)
+# Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
+# (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more).
+CHUNK_UNROLL = 2
 
 
 def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g,
@@ -111,11 +121,16 @@ def decode_mma_loop(
         x_stage = stage * cfg.x_stage_words
         for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
             words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
-            a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
+            if cutlass.const_expr(cfg.split_halves):
+                halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
+            else:
+                a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
             for mt in cutlass.range_constexpr(cfg.token_groups):
                 x_word = x_stage + (mt * 8 + g) * cfg.x_row_words + kk * 8 + q
                 b = (sX[x_word], sX[x_word + 4])
-                c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
-                d = ptx.mma_m16n8k16_f16_f32(a, b, c)
-                for i in cutlass.range_constexpr(4):
-                    acc[4 * mt + i] = d[i]
+                operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
+                for a_m, b_m in operands:
+                    c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
+                    d = ptx.mma_m16n8k16_f16_f32(a_m, b_m, c)
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * mt + i] = d[i]
