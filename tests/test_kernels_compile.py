@@ -4,8 +4,8 @@ shared-memory bound is the config constructor's to enforce: see test_configs_ref
 
 import pytest
 
-from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.format import HALF_RATE_WORDS, Codebook
+from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
