@@ -16,7 +16,7 @@ from pathlib import Path
 
 from exl3tool.errors import Problem, ProblemKind, UnreadableInputError
 from exl3tool.io.config import read_json
-from exl3tool.io.reading import kind_of
+from exl3tool.io.reading import brief, kind_of
 from exl3tool.io.structure import gaps
 
 INDEX = "model.safetensors.index.json"
@@ -57,12 +57,12 @@ def _from_index(root: Path) -> WeightFiles:
             files.append(file)
             continue
         reason = "which does not exist" if reason == "missing" else reason
-        problems.append(Problem("index-file", f"the index names {file!r}, {reason}", INDEX, tensor,
+        problems.append(Problem("index-file", f"the index names {brief(file, 200)}, {reason}", INDEX, tensor,
                                 ProblemKind.UNREADABLE))
     return WeightFiles(files, dict(weight_map), problems)
 
 
-MAX_SHARDS = 100_000  # "-of-NNNNN" has five digits in every checkpoint written by transformers or ExLlamaV3
+MAX_SHARDS = 100_000  # transformers and ExLlamaV3 number shards with five digits: "-of-NNNNN"
 
 
 def _without_index(root: Path) -> WeightFiles:
