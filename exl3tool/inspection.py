@@ -18,6 +18,8 @@ from exl3tool.errors import Exl3Error, Problem, ProblemKind, UsageError
 from exl3tool.format import CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo
 from exl3tool.io.config import CONFIG
 from exl3tool.io.scan import scan_checkpoint
+from exl3tool.prepared import is_prepared
+from exl3tool.prepared.layout import STATE_DIR
 from exl3tool.selection import parse_layers
 
 SCHEMA = "exl3tool.inspect/1"
@@ -291,8 +293,6 @@ def build_report(model: CheckpointModel, problems: list[Problem], source: str, p
 
 def _unfinished_prepare(source) -> bool:
     """A folder `exl3tool prepare` is still writing (or was killed while writing): no config.json of its own."""
-    from exl3tool.prepared.layout import STATE_DIR
-
     folder = Path(str(source)).expanduser()
     return (folder / STATE_DIR).is_dir() and not (folder / CONFIG).exists()
 
@@ -301,8 +301,6 @@ def inspect_checkpoint(source, revision: str | None = None, *, layer=None, data_
     """Read a checkpoint header-first (plus markers and, with `data_checks`, every suh/svh) and report on it.
     A prepared folder is read through its manifest (with `data_checks`, every shard's sha256: all of its data).
     Raises only when nothing can be read (UnreadableInputError, UsageError) or `layer` names an absent layer."""
-    from exl3tool.prepared import is_prepared
-
     layer = None if layer is None else parse_layers(layer)  # a malformed selection fails before any reading
     if is_prepared(source) or _unfinished_prepare(source):
         if revision is not None:
@@ -316,7 +314,7 @@ def inspect_checkpoint(source, revision: str | None = None, *, layer=None, data_
 
 
 def _inspect_prepared(source, layer, data_checks: bool) -> InspectReport:
-    from exl3tool.prepared import load_prepared
+    from exl3tool.prepared import load_prepared  # imports torch: only for a prepared folder
 
     try:
         prepared = load_prepared(source, verify_hashes=False)  # check() below hashes, collecting what differs
