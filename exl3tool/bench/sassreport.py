@@ -23,6 +23,11 @@ def _row(label: str, k) -> SassRow:
     )
 
 
+def _gemm_label(bits: float, codebook: str, cfg) -> str:
+    halves = " split halves" if getattr(cfg, "split_halves", False) else ""
+    return f"gemm K{bits:g} {codebook} M{cfg.tokens_per_cta}/CTA{halves}"
+
+
 def _analyze(config, arch: str):
     from exl3tool.ops import launch
     from exl3tool.sass import analyze_cubin, compile_cubin
@@ -48,10 +53,10 @@ def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 25
         configs = {}
         for m in tokens:
             cfg = plan_gemm(m, stand_in, sm_count=1, arch=arch).config
-            configs.setdefault(cfg, f"gemm K{k:g} {codebook} M{cfg.tokens_per_cta}/CTA")
+            configs.setdefault(cfg, _gemm_label(k, codebook, cfg))
         if min(tokens) <= FUSED_MAX_TOKENS:
             cfg = plan_gemm(min(tokens), stand_in, sm_count=1, arch=arch, output="float16").config
-            configs[cfg] = f"gemm K{k:g} {codebook} M{cfg.tokens_per_cta}/CTA fused fp16 out"
+            configs[cfg] = _gemm_label(k, codebook, cfg) + " fused fp16 out"
         jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch)) for cfg, label in configs.items()]
         dq = DequantConfig(float(k), codebook)
         jobs.append((f"dequant K{k:g} {codebook}", lambda dq=dq: _analyze(dq, arch)))
