@@ -1,6 +1,7 @@
 """The large-M linear: fold both rotations into the weight once per plan, then one cuBLAS GEMM per call.
 
     fold_builder(cfg, options) / fold_launcher(fn, lin, out_t)   the fold kernel's builder and launcher
+    compiled_fold(lin, dtype, arch)                               the compiled kernel, from the cache
     folded_weight(lin, dtype)                                     W'^T (out_p, in_p) = (diag(suh) Hbd W_hat Hbd diag(svh))^T
     folded_forward(x, w_fold_t, lin, out)                         y = x @ W'[:in, :out] (+ bias): no rotation passes
 
@@ -46,10 +47,14 @@ def fold_launcher(fn, lin, out_t: torch.Tensor):
     return lambda: fn(lin.words, lin.suh, lin.svh, out_t)
 
 
+def compiled_fold(lin, dtype: torch.dtype, arch: str):
+    cfg = fold_config(lin, dtype)
+    return compile_cached(("FoldConfig", cfg), arch, lambda options: fold_builder(cfg, options))
+
+
 def folded_weight(lin, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None) -> torch.Tensor:
     """W'^T ``(out_p, in_p)`` in the activations' dtype (fp16 or bf16)."""
-    cfg = fold_config(lin, dtype)
-    fn = compile_cached(("FoldConfig", cfg), target_arch(lin.device), lambda options: fold_builder(cfg, options))
+    fn = compiled_fold(lin, dtype, target_arch(lin.device))
     info = lin.info
     if out is None:
         out = torch.empty((info.out_padded, info.in_padded), dtype=dtype, device=lin.device)

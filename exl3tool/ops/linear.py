@@ -25,7 +25,7 @@ from exl3tool.format import Codebook, LinearInfo, LinearTensors
 from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
-from exl3tool.ops import launch
+from exl3tool.ops import fold, launch
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import gemm_resident_ctas, split_halves, split_k
 from exl3tool.ops.workspace import counters, scratch
@@ -37,7 +37,10 @@ DEQUANT_MIN_TOKENS = 112  # measured crossover on the H200 (docs/perf.md)
 # K=2, 27.28 vs 28.04 at K=6) and it saves a launch.
 FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-PATHS = ("gemm", "gemm-unfused", "dequant")
+PATHS = ("gemm", "gemm-unfused", "dequant", "fold")
+# From here on the rotations folded into the weight (one fold kernel + one cuBLAS GEMM, ops.fold) beat dequantize +
+# two rotation passes: H200 run of 2026-11-30, 4096x14336 K=4: M=4096 760 vs 854 us, M=256 196 vs 117 us.
+FOLD_MIN_TOKENS = 2048
 
 
 @dataclass
@@ -110,6 +113,8 @@ def plan_gemm(
 
 def choose_path(tokens: int, lin: DeviceLinear) -> str:
     """What ``path="auto"`` runs, by the H200 crossovers above."""
+    if tokens >= FOLD_MIN_TOKENS:
+        return "fold"
     if tokens >= DEQUANT_MIN_TOKENS:
         return "dequant"
     if tokens == 1 or (tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT):
@@ -132,6 +137,9 @@ class LinearPlan:
         self.out_shape = (tokens, info.out_features)
         rows = ((tokens, info.in_padded), torch.float16)
         self.gemm = self.dequant = self.rotate_out = None
+        if path == "fold":
+            self._plan_fold(lin, tokens, in_dtype, arch)
+            return
         if path == "dequant":
             xr, partials, w_hat_t = scratch.views(device, rows, ((1, tokens, info.out_padded), torch.float16),
                                                   ((info.out_padded, info.in_padded), torch.float16))
@@ -157,16 +165,42 @@ class LinearPlan:
         self.rotate_in = launch.input_rotation_launcher(
             launch.compiled(InputRotationConfig(_DTYPE_NAMES[in_dtype]), arch), lin.suh, xr)
 
+    def _plan_fold(self, lin: DeviceLinear, tokens: int, in_dtype: torch.dtype, arch: str) -> None:
+        """W'^T (rotations folded in) into scratch, then y = x @ W' (+ bias) by cuBLAS, straight into y when the
+        dtypes agree, else through an x-dtype scratch and one copy."""
+        info = lin.info
+        w_t, tmp = scratch.views(lin.device, ((info.out_padded, info.in_padded), in_dtype),
+                                 ((tokens, info.out_features), in_dtype))
+        self.fold = fold.fold_launcher(fold.compiled_fold(lin, in_dtype, arch), lin, w_t)
+        w = w_t[: info.out_features, : info.in_features].t()
+        bias = None if lin.bias is None else lin.bias[: info.out_features].to(in_dtype)
+        direct = self.out_dtype == in_dtype
+
+        def matmul(x: torch.Tensor, y: torch.Tensor) -> None:
+            dst = y if direct else tmp
+            if bias is None:
+                torch.mm(x, w, out=dst)
+            else:
+                torch.addmm(bias, x, w, out=dst)
+            if not direct:
+                y.copy_(dst)
+
+        self.folded_matmul = matmul
+
     def _rotate_out(self, lin: DeviceLinear, partials: torch.Tensor, arch: str) -> None:
         cfg = OutputRotationConfig(_DTYPE_NAMES[self.out_dtype], _DTYPE_NAMES[partials.dtype], lin.bias is not None)
         self.rotate_out = launch.output_rotation_launcher(launch.compiled(cfg, arch), partials, lin.svh, lin.bias)
 
     @property
     def launches(self) -> int:
-        return {"gemm": 2, "gemm-unfused": 3, "dequant": 4}[self.path]
+        return {"gemm": 2, "gemm-unfused": 3, "dequant": 4, "fold": 2}[self.path]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device) if out is None else out
+        if self.path == "fold":
+            self.fold()
+            self.folded_matmul(x, y)
+            return y
         self.rotate_in(x)
         if self.path == "gemm":
             self.gemm(y)

@@ -46,3 +46,22 @@ def test_folded_forward_matches_reference(seed, tokens):
     # The GEMM paths' tolerance (tests/gpu/test_linear_kernels.py, fp32 outputs) beyond rounding y to its dtype.
     assert rel_l2(got, ref) <= 2e-3 + rel_l2(ref.to(dtype), ref), what
     assert cosine(got, ref) >= 0.99999, what
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fold_path_of_linear_forward(seed, dtype, out_dtype):
+    """path="fold" (auto from FOLD_MIN_TOKENS rows): planned once, into a NaN-poisoned y, bias included."""
+    from exl3tool.ops import linear as ops
+
+    rng = random.Random(seed)
+    bits, codebook = rng.choice(CASES)
+    in_f, out_f, tokens = rng.randrange(64, 900), rng.randrange(64, 900), rng.choice([1, 37, 300])
+    tensors, lin = device_linear(seed, in_f, out_f, bits, codebook, bias=True)
+    x = torch.randn(tokens, in_f, dtype=dtype, device="cuda")
+    y_dtype = dtype if out_dtype is None else out_dtype
+    ref = linear_forward(x, tensors)
+    for _ in range(2):  # the second call reuses the plan
+        got = ops.linear_forward(x, lin, out_dtype, path="fold", out=poisoned((tokens, out_f), y_dtype))
+        what = f"seed={seed} K={bits} {codebook} {in_f}x{out_f} M={tokens} {dtype}->{y_dtype}"
+        assert torch.isfinite(got).all() and rel_l2(got, ref) <= 2e-3 + rel_l2(ref.to(dtype), ref), what
