@@ -253,7 +253,8 @@ class SassRow:
     registers: int
     spill_bytes: int  # local memory frame per thread
     spill_instructions: int  # LDL/STL in the code
-    smem_per_cta_bytes: int | None
+    static_smem_bytes: int
+    smem_per_cta_bytes: int | None  # static + dynamic; None where the dynamic part is not known from a config
     loop_instructions: int | None
     per_weight: float | None
     per_weight_by_pipe: dict[str, float] | None

@@ -3,7 +3,7 @@
 
 The kernels are the ones the planner picks (`exl3tool.ops.linear.plan_gemm`) for the requested K, codebook and
 token counts: the decode GEMM per token-group count, its fused-epilogue variant (M <= 8), the dequantize kernel,
-and the two rotations.
+the fold kernel (large M) and the two rotations.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from exl3tool.format import Codebook, LinearInfo
 def _row(label: str, k) -> SassRow:
     return SassRow(
         kernel=label, symbol=k.name, registers=k.registers, spill_bytes=k.frame_bytes,
-        spill_instructions=k.spill_instructions, smem_per_cta_bytes=k.smem_per_cta_bytes,
+        spill_instructions=k.spill_instructions, static_smem_bytes=k.static_smem_bytes,
+        smem_per_cta_bytes=k.smem_per_cta_bytes,
         loop_instructions=None if k.main_loop is None else len(k.main_loop.instructions),
         per_weight=k.per_weight, per_weight_by_pipe=k.per_weight_by_pipe,
     )
@@ -28,12 +29,14 @@ def _gemm_label(bits: float, codebook: str, cfg) -> str:
     return f"gemm K{bits:g} {codebook} M{cfg.tokens_per_cta}/CTA{halves}"
 
 
-def _analyze(config, arch: str):
+def _analyze(config, arch: str, build=None):
     from exl3tool.ops import launch
     from exl3tool.sass import analyze_cubin, compile_cubin
 
-    cubin = compile_cubin(lambda options: launch.BUILDERS[type(config)](config, options), arch)
-    (kernel,) = analyze_cubin(cubin, dynamic_smem_bytes=getattr(config, "smem_bytes", 0))
+    build = build or launch.BUILDERS[type(config)]
+    cubin = compile_cubin(lambda options: build(config, options), arch)
+    # the dynamic shared memory is the launch's to decide: known from configs that size it (else None)
+    (kernel,) = analyze_cubin(cubin, dynamic_smem_bytes=getattr(config, "smem_bytes", None))
     return kernel
 
 
@@ -41,7 +44,9 @@ def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 25
                 progress=None) -> SassReport:
     from exl3tool.kernels.dequant import DequantConfig
     from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
-    from exl3tool.ops.linear import FUSED_MAX_TOKENS, plan_gemm
+    from exl3tool.kernels.fold import FoldConfig
+    from exl3tool.ops.fold import fold_builder
+    from exl3tool.ops.linear import FOLD_MIN_TOKENS, FUSED_MAX_TOKENS, plan_gemm
     from exl3tool.sass import gemm_report, nvdisasm_path
 
     nvdisasm_path()  # SassToolError (naming the extra) before any compile
@@ -60,6 +65,9 @@ def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 25
         jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch)) for cfg, label in configs.items()]
         dq = DequantConfig(float(k), codebook)
         jobs.append((f"dequant K{k:g} {codebook}", lambda dq=dq: _analyze(dq, arch)))
+        if max(tokens) >= FOLD_MIN_TOKENS:
+            fc = FoldConfig(float(k), codebook, "float16")
+            jobs.append((f"fold K{k:g} {codebook} fp16", lambda fc=fc: _analyze(fc, arch, fold_builder)))
     jobs.append(("rotate in fp16", lambda: _analyze(InputRotationConfig("float16"), arch)))
     jobs.append(("rotate out fp32>fp16",
                  lambda: _analyze(OutputRotationConfig("float16", "float32", False), arch)))

@@ -105,11 +105,13 @@ def render_sass_human(report: SassReport, console: Console) -> None:
         by_pipe = r.per_weight_by_pipe or {}
         spills = Text(str(r.spill_bytes), style="bold red" if r.spill_bytes else "")
         table.add_row(safe(r.kernel), str(r.registers), spills, str(r.spill_instructions),
-                      "-" if r.smem_per_cta_bytes is None else f"{r.smem_per_cta_bytes / 1024:.1f} KiB",
+                      f">= {r.static_smem_bytes / 1024:.1f} KiB" if r.smem_per_cta_bytes is None
+                      else f"{r.smem_per_cta_bytes / 1024:.1f} KiB",
                       _f(r.loop_instructions, "d"), _f(r.per_weight, ".2f"), *(_f(by_pipe.get(p), ".2f") for p in pipes))
     _print_table(console, table)
     console.print(safe("per weight: the static instruction count of the innermost loop holding the MMAs / the weights "
-                       "a lane decodes per iteration, split by issue pipe (kernels without MMAs: -)"))
+                       "a lane decodes per iteration, split by issue pipe (kernels without MMAs: -). smem >=: static "
+                       "only, the launch sizes the dynamic part"))
 
 
 def render_sass_json(report: SassReport) -> None:
