@@ -84,7 +84,7 @@ def test_synthetic_moe_block(cpu_bench):
     report = run.run_bench(request)
     assert [c.tokens for c in report.cases] == [1, 64]
     one, many = report.cases
-    assert one.kind == "moe" and one.group == "moe 256x256 K4 mcg 8e top-2"
+    assert one.kind == "moe" and one.group == "moe 256x256 K4 mcg 8e top-2 I=128"
     assert one.experts["touched"] == 2 and many.experts["touched"] == 8  # 64 tokens reach every expert
     per_expert = 3 * exl3_weight_bytes(256, 128, 4)
     assert one.weight_bytes == 2 * per_expert and many.weight_bytes == 8 * per_expert

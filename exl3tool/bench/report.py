@@ -138,8 +138,8 @@ class Case:
             parts.append(f"K{self.bits:g}")
         if self.codebook:
             parts.append(self.codebook)
-        if self.experts:
-            parts.append(f"{self.experts['experts']}e top-{self.experts['top_k']}")
+        if self.experts:  # hidden x hidden in and out: name the experts' intermediate size too
+            parts.append(f"{self.experts['experts']}e top-{self.experts['top_k']} I={self.experts['intermediate']}")
         return " ".join(p for p in parts if p)
 
 
