@@ -44,34 +44,27 @@ def time_graph(step: Callable[[], object], calls: int, repeats: int = 30) -> Tim
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for _ in range(WARMUP):
-        graph.replay()
-    torch.cuda.synchronize()
-    gpu, host = [], []
-    for _ in range(repeats):
-        start, end = _events()
-        start.record()
-        t0 = time.perf_counter()
-        graph.replay()
-        host.append(time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
+    timing = _measure(graph.replay, calls, repeats)
     del graph
-    return _timing(gpu, host, calls)
+    return timing
 
 
 def time_eager(step: Callable[[], object], calls: int, repeats: int = 30) -> Timing:
     """``step()`` launched eagerly: GPU time from events around it, host time to enqueue it."""
+    return _measure(step, calls, repeats)
+
+
+def _measure(launch: Callable[[], object], calls: int, repeats: int) -> Timing:
+    """Warm up, then per repeat: GPU time between events around ``launch()`` and the host time to enqueue it."""
     for _ in range(WARMUP):
-        step()
+        launch()
     torch.cuda.synchronize()
     gpu, host = [], []
     for _ in range(repeats):
         start, end = _events()
         start.record()
         t0 = time.perf_counter()
-        step()
+        launch()
         host.append(time.perf_counter() - t0)
         end.record()
         end.synchronize()
