@@ -187,16 +187,11 @@ class TrellisGemm:
 
         if cutlass.const_expr(cfg.output is not None):
             # Release our partials, then count this CTA in for its 128-column block of its token block.
-            ptx.fence_gpu()
-            cute.arch.sync_threads()
             ctas_per_block = 128 // (16 * cfg.warps)
             block = col_tile0 // 8  # the 128-column block: 8 tile columns
             slot = bm * (mW.shape[1] // 8) + block
             counter = mCounter.iterator.toint() + Int64(slot) * 4
-            if tid == 0:
-                arrived = ptx.atomic_add_u32(counter, Int32(1))
-                sLast[0] = Int32(arrived == mP.shape[0] * ctas_per_block - 1)
-            cute.arch.sync_threads()
+            ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
             if sLast[0] != 0:
                 ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
                 for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):

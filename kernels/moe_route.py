@@ -187,13 +187,8 @@ class MoERoute:
                     mLogits[tok0 + t, e] = total
 
         # --- the last CTA of this token block: top-k of its tokens ----------------------------------------
-        ptx.fence_gpu()
-        cute.arch.sync_threads()
         counter = mCounters.iterator.toint() + Int64(tb) * 4
-        if tid == 0:
-            arrived = ptx.atomic_add_u32(counter, Int32(1))
-            sFlag[0] = Int32(arrived == n_chunks - 1)
-        cute.arch.sync_threads()
+        ptx.count_in(counter, n_chunks, sFlag, 0, tid)
         if sFlag[0] != 0:
             ptx.fence_gpu()
             for t in cutlass.range_constexpr(TOKENS_PER_CTA // EXPERTS_PER_CTA):
@@ -203,13 +198,8 @@ class MoERoute:
             if tid == 0:
                 ptx.st_global_u32(counter, Int32(0))
             # --- the last token block: pack the routes ----------------------------------------------------
-            ptx.fence_gpu()
-            cute.arch.sync_threads()
             last = mCounters.iterator.toint() + Int64(n_tb) * 4
-            if tid == 0:
-                arrived = ptx.atomic_add_u32(last, Int32(1))
-                sFlag[1] = Int32(arrived == n_tb - 1)
-            cute.arch.sync_threads()
+            ptx.count_in(last, n_tb, sFlag, 1, tid)
             if sFlag[1] != 0:
                 ptx.fence_gpu()
                 self.pack(mIds, mBlockExpert, mRowRoute, mRouteRow, block_rows, sCount, sCursor, sFlag, sScan, tid)

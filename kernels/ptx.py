@@ -5,6 +5,8 @@ free to schedule, hoist and CSE them. Immediates are baked into the instruction 
 costs a register per use site in the inner loop.
 """
 
+import cutlass
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
@@ -237,3 +239,19 @@ def _asm_i32_addr(gmem_addr, value, text, *, loc=None, ip=None) -> Int32:
             ip=ip,
         )
     )
+
+
+# --- grid-level steps built from the instructions above ---------------------------------------------------------
+
+
+@cute.jit
+def count_in(counter: Int64, expected: Int32, flag: cute.Tensor, slot: cutlass.Constexpr, tid: Int32):
+    """Release this CTA's global writes, then count it in at ``counter``: ``flag[slot]`` (shared memory) becomes 1
+    in the CTA that arrives ``expected``-th and 0 in the others. That last CTA must ``fence_gpu()`` (acquire)
+    before it reads what the others wrote."""
+    fence_gpu()
+    cute.arch.sync_threads()
+    if tid == 0:
+        arrived = atomic_add_u32(counter, Int32(1))
+        flag[slot] = Int32(arrived == expected - 1)
+    cute.arch.sync_threads()
