@@ -14,28 +14,23 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from exl3tool.format import Codebook
 from exl3tool.kernels.fold import Fold, FoldConfig
 from exl3tool.kernels.rotate import DTYPES
 from exl3tool.kernels.trellis import TrellisPlan
+from exl3tool.ops.launch import fake_stream, fake_tensor
 from exl3tool.ops.runtime import compile_cached, target_arch
 
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _dense(dtype, *shape, align=16):
-    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
-                                    assumed_align=align)
-
-
 def fold_builder(cfg: FoldConfig, options: str):
     in_p, out_p = cute.sym_int(), cute.sym_int()
-    w = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
-    suh, svh = _dense(cutlass.Float16, in_p, align=2), _dense(cutlass.Float16, out_p, align=2)
-    out = _dense(DTYPES[cfg.out_dtype], out_p, in_p)
-    return cute.compile(Fold(cfg), w, suh, svh, out, make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
+    w = fake_tensor(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
+    suh, svh = fake_tensor(cutlass.Float16, in_p, align=2), fake_tensor(cutlass.Float16, out_p, align=2)
+    out = fake_tensor(DTYPES[cfg.out_dtype], out_p, in_p)
+    return cute.compile(Fold(cfg), w, suh, svh, out, fake_stream(), options=options)
 
 
 def fold_config(lin, dtype: torch.dtype) -> FoldConfig:

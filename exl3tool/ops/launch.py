@@ -28,12 +28,16 @@ from exl3tool.kernels.rotate import (
 from exl3tool.kernels.trellis import TrellisPlan
 from exl3tool.ops.runtime import compile_cached
 
-ROW_MAJOR = {1: (0,), 2: (1, 0), 3: (2, 1, 0)}  # stride_order: mode 0 slowest, the last mode contiguous
+def fake_tensor(dtype, *shape, align: int = 16):
+    """A fake contiguous row-major tensor for compiling: ints are static sizes, ``cute.sym_int()`` symbols are
+    dynamic ones (pass one symbol to several tensors for sizes that must agree), None a fresh symbol."""
+    shape = tuple(cute.sym_int() if d is None else d for d in shape)
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape)))[::-1], assumed_align=align)
 
 
-def _dense(dtype, *shape, align: int = 16):
-    """A fake contiguous row-major tensor; ``shape`` entries are ints (static) or ``cute.sym_int()``."""
-    return make_fake_compact_tensor(dtype, shape, stride_order=ROW_MAJOR[len(shape)], assumed_align=align)
+def fake_stream():
+    """The stream argument: TVM FFI's environment stream, which it takes from torch's current stream."""
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def _rows(dtype, rows, cols, align: int = 2):
@@ -42,11 +46,7 @@ def _rows(dtype, rows, cols, align: int = 2):
 
 
 def _vector(dtype, align: int = 2):
-    return _dense(dtype, cute.sym_int(), align=align)
-
-
-def _stream():
-    return make_fake_stream(use_tvm_ffi_env_stream=True)
+    return fake_tensor(dtype, None, align=align)
 
 
 # --- builders: (config, options) -> compiled function ----------------------------------------------------
@@ -54,37 +54,37 @@ def _stream():
 
 def build_gemm(cfg: GemmConfig, options: str):
     m, out_p = cute.sym_int(), cute.sym_int()
-    x = _dense(cutlass.Int32, m, cute.sym_int())
-    w = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
-    p = _dense(cutlass.Float32, cute.sym_int(), m, out_p)
+    x = fake_tensor(cutlass.Int32, m, cute.sym_int())
+    w = fake_tensor(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
+    p = fake_tensor(cutlass.Float32, cute.sym_int(), m, out_p)
     epilogue = [None] * 4
     if cfg.output is not None:
-        svh = _dense(cutlass.Float16, out_p, align=2)
-        bias = _dense(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
+        svh = fake_tensor(cutlass.Float16, out_p, align=2)
+        bias = fake_tensor(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
         epilogue = [svh, bias, _rows(DTYPES[cfg.output], m, cute.sym_int()), _vector(cutlass.Int32, 4)]
-    return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, _stream(), options=options)
+    return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, fake_stream(), options=options)
 
 
 def build_dequant(cfg: DequantConfig, options: str):
-    w = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
-    out = _dense(cutlass.Int32, cute.sym_int(), cute.sym_int())
-    return cute.compile(Dequantize(cfg), w, out, _stream(), options=options)
+    w = fake_tensor(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
+    out = fake_tensor(cutlass.Int32, cute.sym_int(), cute.sym_int())
+    return cute.compile(Dequantize(cfg), w, out, fake_stream(), options=options)
 
 
 def build_input_rotation(cfg: InputRotationConfig, options: str):
     m, in_p = cute.sym_int(), cute.sym_int()
     x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
-    return cute.compile(InputRotation(cfg), x, _dense(cutlass.Float16, in_p, align=2),
-                        _dense(cutlass.Float16, m, in_p), _stream(), options=options)
+    return cute.compile(InputRotation(cfg), x, fake_tensor(cutlass.Float16, in_p, align=2),
+                        fake_tensor(cutlass.Float16, m, in_p), fake_stream(), options=options)
 
 
 def build_output_rotation(cfg: OutputRotationConfig, options: str):
     m, out_p = cute.sym_int(), cute.sym_int()
-    p = _dense(DTYPES[cfg.partial_dtype], cute.sym_int(), m, out_p)
-    svh = _dense(cutlass.Float16, out_p, align=2)
-    bias = _dense(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
+    p = fake_tensor(DTYPES[cfg.partial_dtype], cute.sym_int(), m, out_p)
+    svh = fake_tensor(cutlass.Float16, out_p, align=2)
+    bias = fake_tensor(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
     y = _rows(DTYPES[cfg.out_dtype], m, cute.sym_int())
-    return cute.compile(OutputRotation(cfg), p, svh, bias, y, _stream(), options=options)
+    return cute.compile(OutputRotation(cfg), p, svh, bias, y, fake_stream(), options=options)
 
 
 BUILDERS = {

@@ -18,24 +18,13 @@ from exl3tool.kernels.moe_rotate import (
     Intermediate, IntermediateConfig, RouteInputRotation, RouteInputRotationConfig, TopKSum, TopKSumConfig,
 )
 from exl3tool.kernels.moe_route import MoERoute, MoERouteConfig
+from exl3tool.ops.launch import fake_stream, fake_tensor
 from exl3tool.ops.runtime import compile_cached
 
 F16, BF16, F32, I32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32, cutlass.Int32
 _CUTE = {"float16": F16, "bfloat16": BF16, "float32": F32}
-TVM_FFI = "--enable-tvm-ffi"
-
-
-def _fake(dtype, *dims):
-    """Row-major fake tensor; ints are static dims, None a fresh SymInt, a SymInt is reused as given."""
-    shape = tuple(cute.sym_int() if d is None else d for d in dims)
-    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape)))[::-1],
-                                                 assumed_align=16)
-
-
 def _compile(kernel, args, options: str):
-    if TVM_FFI not in options:
-        options = f"{TVM_FFI} {options}"
-    return cute.compile(kernel, *args, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
+    return cute.compile(kernel, *args, fake_stream(), options=options)
 
 
 # --- builders ------------------------------------------------------------------------------------------------
@@ -43,36 +32,36 @@ def _compile(kernel, args, options: str):
 
 def build_route(cfg: MoERouteConfig, options: str):
     m, h = cute.sym_int(), cute.sym_int()
-    args = [_fake(_CUTE[cfg.x_dtype], m, h), _fake(F16, None, h), _fake(F32, None), _fake(I32, None, None),
-            _fake(F32, None, None), _fake(F32, m, None), _fake(I32, m, None), _fake(F32, m, None), _fake(I32, None),
-            _fake(I32, None), _fake(I32, None), _fake(I32, None), 0]
+    args = [fake_tensor(_CUTE[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None), fake_tensor(I32, None, None),
+            fake_tensor(F32, None, None), fake_tensor(F32, m, None), fake_tensor(I32, m, None), fake_tensor(F32, m, None), fake_tensor(I32, None),
+            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
     return _compile(MoERoute(cfg), args, options)
 
 
 def build_gemm(cfg: MoEGemmConfig, options: str):
     rows = cute.sym_int()
     words = int(16 * cfg.bits) // 2
-    args = [_fake(I32, cfg.planes, rows, None), _fake(I32, cfg.planes, None, None, None, words),
-            _fake(F32, None, rows, None), _fake(I32, None), _fake(I32, None), 0]
+    args = [fake_tensor(I32, cfg.planes, rows, None), fake_tensor(I32, cfg.planes, None, None, None, words),
+            fake_tensor(F32, None, rows, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
     return _compile(MoEGemm(cfg), args, options)
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
-    args = [_fake(_CUTE[cfg.x_dtype], None, None), _fake(F16, None, None), _fake(F16, None, None),
-            _fake(F16, 2, None, None), _fake(I32, None), _fake(I32, None), _fake(I32, None), 0, 0]
+    args = [fake_tensor(_CUTE[cfg.x_dtype], None, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None),
+            fake_tensor(F16, 2, None, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0, 0]
     return _compile(RouteInputRotation(cfg), args, options)
 
 
 def build_intermediate(cfg: IntermediateConfig, options: str):
-    args = [_fake(F32, None, None, None), _fake(F16, None, None), _fake(F16, None, None), _fake(I32, None),
-            _fake(I32, None), _fake(I32, None), 0, 0]
+    args = [fake_tensor(F32, None, None, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None),
+            fake_tensor(I32, None), fake_tensor(I32, None), 0, 0]
     return _compile(Intermediate(cfg), args, options)
 
 
 def build_topk_sum(cfg: TopKSumConfig, options: str):
     m = cute.sym_int()
-    args = [_fake(F32, None, None, None), _fake(F16, None, None), _fake(I32, None), _fake(I32, m, cfg.routes_per_token),
-            _fake(F32, m, cfg.routes_per_token), _fake(I32, None), _fake(_CUTE[cfg.out_dtype], m, None)]
+    args = [fake_tensor(F32, None, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(I32, m, cfg.routes_per_token),
+            fake_tensor(F32, m, cfg.routes_per_token), fake_tensor(I32, None), fake_tensor(_CUTE[cfg.out_dtype], m, None)]
     return _compile(TopKSum(cfg), args, options)
 
 
