@@ -126,7 +126,7 @@ def test_cuda_graph_replay_is_bit_identical(seed, tokens):
     assert torch.equal(first, eager) and torch.equal(static_y, eager), f"seed={seed}"
 
 
-@pytest.mark.parametrize("path", ["gemm", "gemm-unfused", "dequant"])
+@pytest.mark.parametrize("path", ["gemm", "gemm-unfused", "dequant", "fold"])
 @pytest.mark.parametrize("tokens", [1, 9, 130])
 def test_planned_call_allocates_nothing_syncs_nothing_and_replays_bit_identical(seed, path, tokens):
     """After the first call made the plan, a call into ``out`` only launches: no allocation, no host sync (so
