@@ -255,3 +255,20 @@ def count_in(counter: Int64, expected: Int32, flag: cute.Tensor, slot: cutlass.C
         arrived = atomic_add_u32(counter, Int32(1))
         flag[slot] = Int32(arrived == expected - 1)
     cute.arch.sync_threads()
+
+
+@dsl_user_op
+def ld_shared_v4_f32(smem_addr, *, loc=None, ip=None):
+    """Four fp32 from a 16-byte aligned shared-memory address."""
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Float32, values, "ld.shared.v4.f32 {$0,$1,$2,$3}, [$4];", "=f,=f,=f,=f,r", side_effects=True,
+                  loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pack_f32x2(lo, hi, dtype: str, *, loc=None, ip=None) -> Int32:
+    """Two Float32 rounded to nearest and packed as fp16x2 or bf16x2 (``lo`` in the low half): one cvt."""
+    kind = {"float16": "f16x2", "bfloat16": "bf16x2"}[dtype]
+    values = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), values, f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+                                 has_side_effects=False, loc=loc, ip=ip))

@@ -34,7 +34,7 @@ def butterflies(v, lane_bits):
 
 
 def emulated_fold_block(t, bits, codebook, bi, bj):
-    """W'^T[bj block, bi block] exactly as the kernel indexes it, in float64."""
+    """W'[bi block, bj block] exactly as the kernel indexes it, in float64 (the copy-out moves rows as they are)."""
     plan = TrellisPlan(bits)
     words = t.trellis.numpy().view(np.uint32).reshape(t.trellis.shape[0], t.trellis.shape[1], -1)
     suh, svh = t.suh.double().numpy(), t.svh.double().numpy()
@@ -63,17 +63,17 @@ def emulated_fold_block(t, bits, codebook, bi, bj):
             col = warp * 16 + 4 * c + LANES // 8
             v = butterflies([block[(s + 8 * r) * STRIDE + col] for r in range(16)], (0, 1, 2))
             for r in range(16):
-                out[col, s + 8 * r] = v[r] * suh[bi * 128 + s + 8 * r]
+                out[s + 8 * r, col] = v[r] * suh[bi * 128 + s + 8 * r]
     return out
 
 
 @pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (3.0, "3inst"), (2.5, "mul1")])
 def test_fold_index_plan_is_the_reconstruction(bits, codebook):
     t = random_linear(256, 384, bits, codebook, seed=5)
-    ref = reconstruct(t).double().t().numpy()
+    ref = reconstruct(t).double().numpy()
     for bi, bj in [(0, 0), (1, 2)]:
         got = emulated_fold_block(t, bits, codebook, bi, bj)
-        np.testing.assert_allclose(got, ref[bj * 128:(bj + 1) * 128, bi * 128:(bi + 1) * 128], rtol=1e-5,
+        np.testing.assert_allclose(got, ref[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128], rtol=1e-5,
                                    atol=1e-6 * np.abs(ref).max())  # ref: fp32 torch
 
 
@@ -86,6 +86,8 @@ def test_fold_compiles(cfg, arch):
     ptx = compile_with_ptx(lambda options: fold_builder(cfg, options), arch)
     # Per warp: 4 rows x 16 values and 4 column groups x 16 values, three exchanges each; the rest in registers.
     assert ptx.count("shfl.sync.bfly") == 2 * 4 * 16 * 3
+    # W' leaves as 16-byte row pieces only: 128 rows x 16 pieces over 256 threads.
+    assert ptx.count("st.global.v4") == ptx.count("st.global") == 8
     assert SMEM_BYTES <= 99 * 1024
 
 

@@ -167,13 +167,13 @@ class LinearPlan:
             launch.compiled(InputRotationConfig(_DTYPE_NAMES[in_dtype]), arch), lin.suh, xr)
 
     def _plan_fold(self, lin: DeviceLinear, tokens: int, in_dtype: torch.dtype, arch: str) -> None:
-        """W'^T (rotations folded in) into scratch, then y = x @ W' (+ bias) by cuBLAS, straight into y when the
+        """W' (rotations folded in) into scratch, then y = x @ W' (+ bias) by cuBLAS, straight into y when the
         dtypes agree, else through an x-dtype scratch and one copy."""
         info = lin.info
-        w_t, tmp = scratch.views(lin.device, ((info.out_padded, info.in_padded), in_dtype),
-                                 ((tokens, info.out_features), in_dtype))
-        self.fold = fold.fold_launcher(fold.compiled_fold(lin, in_dtype, arch), lin, w_t)
-        w = w_t[: info.out_features, : info.in_features].t()
+        w_fold, tmp = scratch.views(lin.device, ((info.in_padded, info.out_padded), in_dtype),
+                                    ((tokens, info.out_features), in_dtype))
+        self.fold = fold.fold_launcher(fold.compiled_fold(lin, in_dtype, arch), lin, w_fold)
+        w = w_fold[: info.in_features, : info.out_features]
         bias = None if lin.bias is None else lin.bias[: info.out_features].to(in_dtype)
         direct = self.out_dtype == in_dtype
 

@@ -20,9 +20,9 @@ def test_folded_weight_is_the_reconstruction_rounded_once(seed, dtype):
     for bits, codebook in [(4.0, "mcg")] + rng.sample(CASES, 3):
         in_f, out_f = rng.randrange(64, 700), rng.randrange(64, 700)
         tensors, lin = device_linear(seed, in_f, out_f, bits, codebook)
-        out = poisoned((lin.info.out_padded, lin.info.in_padded), dtype)
+        out = poisoned((lin.info.in_padded, lin.info.out_padded), dtype)
         got = folded_weight(lin, dtype, out=out).float().cpu()
-        ref = reconstruct(tensors).t()
+        ref = reconstruct(tensors)
         eps = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
         # fp32 rotations (reordered sums: ~1e-6 relative), then one round-to-nearest: half an ulp, plus subnormals.
         err = (got - ref).abs()
