@@ -28,7 +28,7 @@ from cutlass.memory import SmemAllocator
 from . import ptx
 from .rotate import DTYPES, reduce_rotate_store
 from .mainloop import CHUNK_UNROLL, decode_mma_loop  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
-from .trellis import TrellisPlan
+from .trellis import X_ORDERS, TrellisPlan
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
 
@@ -45,6 +45,9 @@ class GemmConfig:
     output: str | None = None  # fused output rotation: y's dtype ("float16", "bfloat16", "float32")
     has_bias: bool = False
     split_halves: bool = False  # mcg/3inst: two MMAs per tile add each weight's halves (trellis.split_halves_fragments)
+    # X's column order: "rows" (x as is) or "fragments" (trellis.x_fragment_slot: each lane's B words of a k-tile
+    # pair side by side, one 16-byte shared load instead of four 32-bit ones).
+    x_order: str = "rows"
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -58,6 +61,10 @@ class GemmConfig:
             raise ValueError("need at least two pipeline stages")
         if self.split_halves and self.codebook == "mul1":
             raise ValueError("split_halves is for the mcg and 3inst codebooks")
+        if self.x_order not in X_ORDERS:
+            raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
+        if self.x_order == "fragments" and (self.split_halves or self.k_tiles_per_stage < 2):
+            raise ValueError("x_order='fragments' reads k-tile pairs (k_tiles_per_stage >= 2), without split_halves")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         if self.smem_bytes > SMEM_LIMIT_BYTES:
@@ -77,8 +84,10 @@ class GemmConfig:
 
     @property
     def x_row_words(self) -> int:
-        # 8 words (16 fp16) per k-tile, +4 words so the 8 token rows a warp reads fall in distinct banks.
-        return 8 * self.k_tiles_per_stage + 4
+        # 8 words (16 fp16) per k-tile; rows padded so that the token rows a warp reads at once fall in distinct
+        # banks: +4 words for the 32-bit loads of row order (8 rows), +16 for the 16-byte loads of fragment order
+        # (2 rows per 8-lane phase).
+        return 8 * self.k_tiles_per_stage + (16 if self.x_order == "fragments" else 4)
 
     @property
     def x_stage_words(self) -> int:

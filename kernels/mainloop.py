@@ -2,7 +2,7 @@
 
 One CTA: ``cfg.warps`` warps, warp w owns weight tile column ``col_tile0 + w`` (16 output columns) of a trellis
 matrix ``W int32 [k_tiles, n_col_tiles, 8K]``; the CTA owns ``cfg.tokens_per_cta`` rows of the rotated input
-``X int32 [rows, K/2]`` (fp16 pairs) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
+``X int32 [rows, K/2]`` (fp16 pairs, columns in ``cfg.x_order``) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
 ``k_tiles_per_stage`` rows of weight tiles and the matching activation slab into shared memory with 16-byte
 ``cp.async``; ``stages`` are in flight. Every k-tile is decoded in registers (``trellis.decode_lane``) straight
 into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32;
@@ -93,7 +93,8 @@ def decode_mma_loop(
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
     lane = tid % 32
-    addrs = (sW.iterator.toint(), sX.iterator.toint(), gW_addr, gX_addr)
+    sX_addr = sX.iterator.toint()
+    addrs = (sW.iterator.toint(), sX_addr, gW_addr, gX_addr)
 
     for st in cutlass.range_constexpr(cfg.stages - 1):
         if st < n_chunks:
@@ -119,6 +120,7 @@ def decode_mma_loop(
         stage = chunk % cfg.stages
         w_stage = stage * cfg.w_stage_words + w_lane
         x_stage = stage * cfg.x_stage_words
+        b_words = {}
         for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
             words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
             if cutlass.const_expr(cfg.split_halves):
@@ -126,11 +128,22 @@ def decode_mma_loop(
             else:
                 a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
             for mt in cutlass.range_constexpr(cfg.token_groups):
-                x_word = x_stage + (mt * 8 + g) * cfg.x_row_words + kk * 8 + q
-                b = (sX[x_word], sX[x_word + 4])
+                b = load_b(cfg, sX, sX_addr, x_stage + (mt * 8 + g) * cfg.x_row_words, kk, q, b_words, mt)
                 operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
                 for a_m, b_m in operands:
                     c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
                     d = ptx.mma_m16n8k16_f16_f32(a_m, b_m, c)
                     for i in cutlass.range_constexpr(4):
                         acc[4 * mt + i] = d[i]
+
+
+def load_b(cfg, sX, sX_addr, row_word, kk, q, loaded, key):
+    """Lane's B words of k-tile ``kk`` from its token row in the stage (``row_word``): row order, two 32-bit loads;
+    fragment order, one 16-byte load per k-tile pair, kept in ``loaded[key]`` for the pair's second k-tile.
+    Traced inline."""
+    if cutlass.const_expr(cfg.x_order == "rows"):
+        x_word = row_word + kk * 8 + q
+        return (sX[x_word], sX[x_word + 4])
+    if kk % 2 == 0:
+        loaded[key] = ptx.ld_shared_v4(sX_addr + (row_word + (kk // 2) * 16 + 4 * q) * 4)
+    return loaded[key][2 * (kk % 2) : 2 * (kk % 2) + 2]

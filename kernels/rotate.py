@@ -17,6 +17,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
+from .trellis import X_ORDERS, x_fragment_slot
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
@@ -79,10 +80,16 @@ def reduce_rotate_store(
 @dataclass(frozen=True)
 class InputRotationConfig:
     in_dtype: str  # "float16" | "bfloat16"
+    x_order: str = "rows"  # the GEMM's X column order (GemmConfig.x_order)
+
+    def __post_init__(self):
+        if self.x_order not in X_ORDERS:
+            raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
 
 
 class InputRotation:
-    """``X_rot (M, in_p) fp16 = H128(x (M, in_true) * suh)``; columns past ``in_true`` read as zero."""
+    """``X_rot (M, in_p) fp16 = H128(x (M, in_true) * suh)``; columns past ``in_true`` read as zero. In fragment
+    order each element goes to its ``trellis.x_fragment_slot``."""
 
     def __init__(self, config: InputRotationConfig):
         self.cfg = config
@@ -109,7 +116,8 @@ class InputRotation:
                 v[i] = x
             v = hadamard128(v, lane)
             for i in cutlass.range_constexpr(4):
-                mXr[row, col0 + i] = cutlass.Float16(v[i])
+                col = col0 + i if cutlass.const_expr(self.cfg.x_order == "rows") else x_fragment_slot(col0 + i)
+                mXr[row, col] = cutlass.Float16(v[i])
 
 
 @dataclass(frozen=True)

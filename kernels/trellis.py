@@ -101,6 +101,11 @@ class Cuts:
     windows: tuple[tuple[int, int], ...]
 
     @property
+    def fma_instructions(self) -> int:
+        """IMAD.SHL bases issue on the FMA pipe; funnel shifts, SHR and PRMT on the ALU."""
+        return sum(kind == "shl" for _, kind in self.bases)
+
+    @property
     def instructions(self) -> int:
         return len(self.windows) + sum(kind != "word" for _, kind in self.bases) + (
             len({offset // 32 for offset, _ in self.bases} | {offset // 32 + 1 for offset, k in self.bases
@@ -109,7 +114,10 @@ class Cuts:
 
 
 def plan_cuts(plan: TrellisPlan) -> Cuts:
-    """The fewest instructions that cut every window (exhaustive over sets of bases; at most 8 windows)."""
+    """The fewest instructions that cut every window, then the fewest on the FMA pipe (exhaustive over sets of
+    bases; at most 8 windows). H200, M = 1, K=4 mcg: all-ALU cuts (three funnel shifts) ran the GEMM in 18.4-18.7
+    us, ALU/FMA-balanced ones (IMAD.SHL bases, top halves by IMAD.HI) in 19.6-19.8, although the ALU pipe
+    issues the most there."""
     from itertools import combinations
 
     aligned = plan.fixed_shift is None
@@ -149,7 +157,7 @@ def plan_cuts(plan: TrellisPlan) -> Cuts:
         for extra in combinations(paid, k):
             cuts = realize(free + list(extra))
             if cuts is not None:
-                score = (cuts.instructions, sum(kind == "shf" for _, kind in cuts.bases))  # then fewer ALU ops
+                score = (cuts.instructions, cuts.fma_instructions)
                 if best is None or score < best[0]:
                     best, best_k = (score, cuts), k
     assert best is not None, f"no way to cut the windows of K={plan.bits}"
@@ -256,6 +264,19 @@ def split_halves_fragments(halves, b, ops):
     ``b = (x[2q], x[2q+1]), (x[2q+8], x[2q+9])``. The weight is then never rounded to fp16 (exact fp32 sums)."""
     dup = [[ops.dup_half(w, h) for w in b] for h in (0, 1)]  # (lo, lo), (hi, hi)
     return tuple(((halves[m], halves[4 + m], halves[2 + m], halves[6 + m]), tuple(dup[m])) for m in range(2))
+
+
+# Column orders of the GEMM's rotated input X (GemmConfig.x_order).
+X_ORDERS = ("rows", "fragments")
+
+
+def x_fragment_slot(e):
+    """fp16 slot of a row's element ``e`` in fragment order: lane quad q's B words of a k-tile pair (16 fp16:
+    ``x[2q], x[2q+1], x[2q+8], x[2q+9]`` of the first k-tile, then of the second) lie at words ``16c + 4q ..
+    16c + 4q + 3`` of pair c, one 16-byte load. ``e`` may be a DSL Int32 or a NumPy int array."""
+    r = e & 15
+    q, hi8, odd = (r & 7) >> 1, r >> 3, r & 1
+    return 2 * (((e >> 5) << 4) + 4 * q + 2 * ((e >> 4) & 1) + hi8) + odd
 
 
 def mma_a_fragment(pairs):

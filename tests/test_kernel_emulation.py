@@ -17,6 +17,7 @@ from exl3tool.kernels.trellis import (
     mma_a_fragment,
     split_halves_fragments,
     tile_position,
+    x_fragment_slot,
 )
 from exl3tool.reference import decode_trellis
 
@@ -113,3 +114,20 @@ def test_split_halves_mmas_compute_x_times_the_unrounded_weights(bits, codebook)
     y = np.full((8, 16), np.nan)
     y[2 * q, g], y[2 * q + 1, g], y[2 * q, g + 8], y[2 * q + 1, g + 8] = acc
     np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-12, atol=1e-12)
+
+
+def test_fragment_order_puts_each_lanes_b_words_side_by_side():
+    """X in fragment order (what the input rotation writes for the GEMM): every slot is written once, and the 16
+    bytes lane (g, q) loads per k-tile pair are the B words it would read from row order."""
+    cols = np.arange(256)
+    slots = x_fragment_slot(cols)
+    assert np.array_equal(np.sort(slots), cols)
+    x = np.random.default_rng(3).standard_normal((8, cols.size)).astype(np.float16)
+    arranged = np.zeros_like(x)
+    arranged[:, slots] = x
+    rows, frag = x.view(np.uint32), arranged.view(np.uint32)
+    g, q = LANES // 4, LANES % 4
+    for kk in range(cols.size // 16):
+        loaded = [frag[g, (kk // 2) * 16 + 4 * q + i] for i in range(4)]
+        want = (rows[g, 8 * kk + q], rows[g, 8 * kk + q + 4])
+        assert all(np.array_equal(u, v) for u, v in zip(loaded[2 * (kk % 2) : 2 * (kk % 2) + 2], want)), kk

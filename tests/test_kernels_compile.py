@@ -66,7 +66,8 @@ def test_dequantize_compiles(bits, codebook, arch):
 
 @pytest.mark.parametrize(
     "config",
-    [InputRotationConfig("float16"), InputRotationConfig("bfloat16")]
+    [InputRotationConfig("float16"), InputRotationConfig("bfloat16"), InputRotationConfig("float16", "fragments"),
+     InputRotationConfig("bfloat16", "fragments")]
     + [
         OutputRotationConfig(out, partial, bias)
         for out in ("float16", "bfloat16", "float32")

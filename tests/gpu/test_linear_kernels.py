@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from exl3tool.kernels.gemm import GemmConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import linear as ops
 from exl3tool.reference import decode_trellis, linear_forward, rotate_input, rotate_output
@@ -68,6 +69,17 @@ def test_input_rotation_matches_reference(seed, dtype):
     ref = rotate_input(x_pad, lin.suh)
     # fp32 math, one rounding to fp16 at the end.
     assert torch.allclose(got, ref.half().float(), rtol=2e-3, atol=1e-4), f"seed={seed}"
+
+
+def test_input_rotation_writes_the_gemms_fragment_order(seed):
+    """The rotation in fragment order = the row-order rotation rearranged, bit for bit."""
+    tensors, lin = device_linear(seed, 300, 256, 4.0, "mcg")
+    x = torch.randn(19, 300, dtype=torch.float16, device="cuda")
+    cfg = GemmConfig(4.0, "mcg", x_order="fragments")
+    rows = ops.rotate_input(x, lin)
+    out = poisoned((19, lin.info.in_padded), torch.float16)
+    got = ops.rotate_input(x, lin, out=out, x_order="fragments")
+    assert torch.equal(got.view(torch.int16), ops.arrange_x(rows, cfg).view(torch.int16)), f"seed={seed}"
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
