@@ -169,8 +169,8 @@ class LinearPlan:
                 token_blocks = math.ceil(tokens / self.gemm_plan.config.tokens_per_cta)
                 (arrivals,) = counters.views(device, ((token_blocks * (info.out_padded // 128),), torch.int32))
                 self.gemm = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
-        self.rotate_in = launch.input_rotation_launcher(
-            launch.compiled(InputRotationConfig(_DTYPE_NAMES[in_dtype]), arch), lin.suh, xr)
+        rotation = InputRotationConfig(_DTYPE_NAMES[in_dtype], "rows" if self.gemm is None else x_order)
+        self.rotate_in = launch.input_rotation_launcher(launch.compiled(rotation, arch), lin.suh, xr)
 
     def _plan_fold(self, lin: DeviceLinear, tokens: int, in_dtype: torch.dtype, arch: str) -> None:
         """W' (rotations folded in) into scratch, then y = x @ W' (+ bias) by cuBLAS, straight into y when the
