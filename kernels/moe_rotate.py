@@ -1,12 +1,16 @@
-"""The rotations of the fused MoE layer around its two grouped GEMMs, one warp per (packed row or token, 128-block).
+"""The rotations of the fused MoE layer around its two grouped GEMMs, one warp per 128-column block of a token or
+packed row; lane l holds columns 4l..4l+3 (8-byte loads and stores).
 
-RouteInputRotation  per packed row r of a route (t, slot) whose expert is in this launch's group (row p):
-                    ``X[0, r] = H128(x[t] * gate_suh[p])``, ``X[1, r] = H128(x[t] * up_suh[p])`` (fp16)
+RouteInputRotation  per token t and route slot j whose expert e is in this launch's group (row p): packed row
+                    ``r = expert_row[e] + rank[t, j]`` (``moe_route``) gets ``X[0, r] = H128(x[t] * gate_suh[p])``,
+                    ``X[1, r] = H128(x[t] * up_suh[p])`` (fp16); x is read once for all of the token's routes.
+                    It also writes ``row_route[r]`` and ``route_row[t*k' + j]``.
 Intermediate        per packed row: gate, up = split sums of the gate/up GEMM partials;
                     ``g = H128(gate) * gate_svh[p]``, ``u = H128(up) * up_svh[p]``, ``h = silu(g) * u`` (zero past the
                     true intermediate size), ``X2[r] = H128(h * down_suh[p])`` (fp16)
 TopKSum             per token t: ``y[t] = sum_j w[t, j] * H128(sum_s P2[s, route_row[t, j]]) * down_svh[e]`` in fp32,
-                    slots j in order and splits in order (deterministic), then cast to y's dtype.
+                    slots j in order and splits in order (deterministic), then cast to y's dtype. The slots are
+                    spread over the CTA's warps and summed from shared memory in slot order.
 Rows of unused blocks, padding rows (row_route -1) and rows of other groups are skipped; nothing reads them.
 """
 
@@ -16,11 +20,14 @@ import cutlass
 import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import DTYPES, hadamard128
+from .rotate import hadamard128
 
 ROWS_PER_CTA = 4  # one warp per row
+BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
+SUM_WARPS = 8  # top-k sum: warps sharing a token's slots
 
 
 @cute.jit
@@ -54,9 +61,26 @@ def sum_in_order(values):
     return total
 
 
+def load4(tensor, row, col, dtype: str = "float16"):
+    """Four consecutive fp16/bf16 ``tensor[row, col ..]`` (8-byte aligned) as Float32."""
+    addr = tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2
+    w = ptx.ld_global_v2_b32(addr)
+    return list(ptx.words_to_f32(w[0], w[1], dtype))
+
+
+def store4(addr, values, dtype: str):
+    """Four Float32 to consecutive fp16/bf16 (one 8-byte store) or fp32 (one 16-byte store) at ``addr``."""
+    if dtype == "float32":
+        ptx.st_global_v4_f32(addr, values)
+    else:
+        ptx.st_global_v2_b32(addr, ptx.pack_f32x2(values[0], values[1], dtype),
+                             ptx.pack_f32x2(values[2], values[3], dtype))
+
+
 @dataclass(frozen=True)
 class RouteInputRotationConfig:
     x_dtype: str  # "float16" | "bfloat16"
+    routes_per_token: int = 1  # k'
 
 
 class RouteInputRotation:
@@ -65,35 +89,41 @@ class RouteInputRotation:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
-                 mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, routes_per_token: Int32,
-                 block_rows: Int32, stream: cuda.CUstream):
-        grid = (mXr.shape[2] // 128, (mXr.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
-        self.kernel(mX, mGateSuh, mUpSuh, mXr, mRowRoute, mBlockExpert, mGroupRow, routes_per_token,
-                    block_rows).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+                 mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
+                 mRowRoute: cute.Tensor, mRouteRow: cute.Tensor, stream: cuda.CUstream):
+        grid = (mX.shape[0], (mXr.shape[2] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA, 1)
+        self.kernel(mX, mGateSuh, mUpSuh, mXr, mIds, mRank, mExpertRow, mGroupRow, mRowRoute, mRouteRow).launch(
+            grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
-               mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, routes_per_token: Int32,
-               block_rows: Int32):
+               mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
+               mRowRoute: cute.Tensor, mRouteRow: cute.Tensor):
+        k = self.cfg.routes_per_token
         tid, _, _ = cute.arch.thread_idx()
-        block, rows, _ = cute.arch.block_idx()
+        tok, bx, _ = cute.arch.block_idx()
         lane = tid % 32
-        row = rows * ROWS_PER_CTA + tid // 32
-        route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row, block_rows)
-        if route >= 0 and p >= 0:
-            tok = route // routes_per_token
+        block = bx * BLOCKS_PER_CTA + tid // 32
+        h_p = mXr.shape[2]
+        if block * 128 < h_p:
             col0 = block * 128 + 4 * lane
             x = [Float32(0.0)] * 4
-            for i in cutlass.range_constexpr(4):
-                xi = Float32(0.0)
-                if col0 + i < mX.shape[1]:
-                    xi = Float32(mX[tok, col0 + i])
-                x[i] = xi
-            for plane in cutlass.range_constexpr(2):
-                suh = mGateSuh if plane == 0 else mUpSuh
-                v = hadamard128([x[i] * Float32(suh[p, col0 + i]) for i in range(4)], lane)
-                for i in cutlass.range_constexpr(4):
-                    mXr[plane, row, col0 + i] = cutlass.Float16(v[i])
+            if col0 < mX.shape[1]:  # hidden is a multiple of 4: a lane's columns are all in or all out
+                x = load4(mX, tok, col0, self.cfg.x_dtype)
+            for j in cutlass.range_constexpr(k):
+                route = tok * k + j
+                e = mIds[tok, j]
+                p = mGroupRow[e]
+                if p >= 0:
+                    row = mExpertRow[e] + mRank[route]
+                    for plane in cutlass.range_constexpr(2):
+                        suh = load4(mGateSuh if plane == 0 else mUpSuh, p, col0)
+                        v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
+                        addr = mXr.iterator.toint() + ((Int64(plane) * mXr.shape[1] + row) * h_p + col0) * 2
+                        store4(addr, v, "float16")
+                    if block == 0 and lane == 0:
+                        mRowRoute[row] = route
+                        mRouteRow[route] = row
 
 
 @dataclass(frozen=True)
@@ -124,18 +154,19 @@ class Intermediate:
         if route >= 0 and p >= 0:
             inter_p = mX2.shape[1]
             col0 = block * 128 + 4 * lane
+            gate_svh = load4(mRot, p, col0)
+            up_svh = load4(mRot, p, inter_p + col0)
+            down_suh = load4(mRot, p, 2 * inter_p + col0)
             gate = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
             up = hadamard128(summed(mP, row, inter_p + block * 128, lane, self.cfg.splits), lane)
             h = [Float32(0.0)] * 4
             for i in cutlass.range_constexpr(4):
-                col = col0 + i
-                g = gate[i] * Float32(mRot[p, col])
-                u = up[i] * Float32(mRot[p, inter_p + col])
-                hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * Float32(mRot[p, 2 * inter_p + col])
-                h[i] = cutlass.select_(col < inter_true, hi, Float32(0.0))
+                g = gate[i] * gate_svh[i]
+                u = up[i] * up_svh[i]
+                hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
+                h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
             v = hadamard128(h, lane)
-            for i in cutlass.range_constexpr(4):
-                mX2[row, col0 + i] = cutlass.Float16(v[i])
+            store4(mX2.iterator.toint() + (Int64(row) * inter_p + col0) * 2, v, "float16")
 
 
 @dataclass(frozen=True)
@@ -148,32 +179,37 @@ class TopKSumConfig:
 class TopKSum:
     def __init__(self, config: TopKSumConfig):
         self.cfg = config
+        self.warps = min(config.routes_per_token, SUM_WARPS)
 
     @cute.jit
     def __call__(self, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor, mIds: cute.Tensor,
                  mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
-        grid = (mP.shape[2] // 128, (mY.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        grid = (mY.shape[0], mP.shape[2] // 128, 1)
         self.kernel(mP, mSvh, mSvhRow, mIds, mW, mRouteRow, mY).launch(
-            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+            grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor, mIds: cute.Tensor,
                mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor):
         k = self.cfg.routes_per_token
         tid, _, _ = cute.arch.thread_idx()
-        block, rows, _ = cute.arch.block_idx()
+        tok, block, _ = cute.arch.block_idx()
+        warp = tid // 32
         lane = tid % 32
-        tok = rows * ROWS_PER_CTA + tid // 32
-        if tok < mY.shape[0]:
-            col0 = block * 128 + 4 * lane
-            acc = [Float32(0.0)] * 4
-            for j in cutlass.range_constexpr(k):
-                route = tok * k + j
-                row = mRouteRow[route]
-                svh = mSvhRow[mIds[tok, j]]
-                weight = Float32(mW[tok, j])
-                v = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
-                acc = [acc[i] + weight * (v[i] * Float32(mSvh[svh, col0 + i])) for i in range(4)]
+        smem = SmemAllocator()
+        sTerm = smem.allocate_tensor(Float32, cute.make_layout(k * 128), 16)
+        col0 = block * 128 + 4 * lane
+        for j in cutlass.range(warp, k, self.warps):
+            row = mRouteRow[tok * k + j]
+            svh = load4(mSvh, mSvhRow[mIds[tok, j]], col0)
+            weight = Float32(mW[tok, j])
+            v = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
             for i in cutlass.range_constexpr(4):
-                if col0 + i < mY.shape[1]:
-                    mY[tok, col0 + i] = DTYPES[self.cfg.out_dtype](acc[i])
+                sTerm[j * 128 + 4 * lane + i] = weight * (v[i] * svh[i])
+        cute.arch.sync_threads()
+        if warp == 0 and col0 < mY.shape[1]:
+            acc = [sTerm[4 * lane + i] for i in range(4)]
+            for j in cutlass.range_constexpr(1, k):
+                acc = [acc[i] + sTerm[j * 128 + 4 * lane + i] for i in range(4)]
+            size = 4 if self.cfg.out_dtype == "float32" else 2
+            store4(mY.iterator.toint() + (Int64(tok) * mY.shape[1] + col0) * size, acc, self.cfg.out_dtype)

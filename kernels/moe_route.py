@@ -1,22 +1,31 @@
-"""Routing of the fused MoE layer in one launch: router logits, top-k, and the routes packed by expert.
+"""Routing of the fused MoE layer in one launch: router logits, top-k, and the routes counted by expert.
 
-Grid ``(ceil(E_r/4), ceil(M/8))``, 4 warps: warp w of CTA (c, b) computes the fp32 logits of router row
-``4c + w`` for tokens ``8b .. 8b+7`` (``E_r`` = experts, plus the shared-expert gate as row E when there is one).
-The last CTA of token block b to finish (device-scope fence + arrival counter, as the dense GEMM's fused
-epilogue) turns those tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token:
+Grid ``(ceil(E_r/expert_tile), ceil(M/token_tile))``, 8 warps (``E_r`` = experts, plus the shared-expert gate as
+row E when there is one). CTA (c, b) computes the fp32 logits of router rows ``c*expert_tile ..`` for tokens
+``b*token_tile ..`` with ``mma.sync.m16n8k16`` (router rows as A, tokens as B, fp32 accumulate); warp w takes the
+w-th eighth of the hidden dim and the eight partial tiles are summed in shared memory in warp order. Each output
+element is a fixed sequence of MMAs and adds whatever the tiles are, so a token's logits (and routes) do not
+depend on M or the rest of the batch. Inside an MMA the k slots are permuted alike in A and B: lane (g, q) loads
+4 consecutive columns ``4q..4q+3`` of a 16-column step of its rows with one 8-byte load.
+
+The last CTA of token block b to finish (device-scope fence + arrival counter, ``ptx.count_in``) turns those
+tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token:
   softmax_topk      softmax over the experts, top-k, optional renormalisation, times ``scale``
   sigmoid_noaux_tc  sigmoid scores; choice = score + correction bias; with n_group > 1 only the topk_group
                     groups whose two best choices sum highest compete; weights are the scores of the chosen,
                     optionally renormalised, times ``scale``
   given             the caller's ``topk_ids / topk_weights`` as they are
 Column k (when the layer has shared experts) routes every token to "expert" E with weight sigmoid(gate logit)
-or 1. Ties go to the lower expert id.
-The last token block to finish packs the routes (one CTA): counts per expert, each padded to the route block
-``T`` (the GEMM's tokens per CTA), prefix sums, then ``row_route[r]`` = route ``t*k' + j`` of packed row r (-1:
-padding), ``route_row`` its inverse and ``block_expert[b]`` = the expert of rows ``b*T ..`` (-1: unused).
-Row order inside an expert follows shared-memory atomics, which changes no result: every packed row is
-computed independently and the top-k sum reads routes in (token, slot) order. Both arrival counters reset
-themselves, so the launch replays in a CUDA graph with no host work.
+or 1. Ties go to the lower expert id. Each selection is two ``redux.sync`` (max of an order-preserving integer key,
+then min of the ids that hold it). Each route takes its rank inside its expert from a global atomic on the
+expert's count (the shared expert: the token index).
+The last token block to finish (one CTA) turns the counts into the packing: each expert's rows padded to the
+route block ``T`` (the GEMM's tokens per CTA), ``expert_row[e]`` = its first packed row, ``block_expert[b]`` = the
+expert of rows ``b*T ..`` (-1: unused) and ``row_route`` = -1 on padding rows; it zeroes the counts again. The
+input rotation then places route ``t*k' + j`` at row ``expert_row[e] + rank`` (and writes ``row_route`` /
+``route_row`` there). Row order inside an expert follows the atomics, which changes no result: every packed row
+is computed independently and the top-k sum reads routes in (token, slot) order. The arrival counters and the
+counts reset themselves, so the launch replays in a CUDA graph with no host work.
 """
 
 from dataclasses import dataclass
@@ -31,11 +40,12 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 
-TOKENS_PER_CTA = 8
-EXPERTS_PER_CTA = 4  # one router row per warp
-THREADS = 32 * EXPERTS_PER_CTA
+WARPS = 8  # the hidden dim in eight slices, one per warp (fixed: it fixes the logits' summation order)
+THREADS = 32 * WARPS
+STEPS_IN_FLIGHT = 4  # 16-column steps whose loads are issued before their MMAs
 METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
+NO_ID = 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class MoERouteConfig:
     correction_bias: bool = False
     shared: str = "none"  # "none" | "ungated" | "gated"
     x_dtype: str = "float16"
+    expert_tile: int = 16  # router rows per CTA (16 or 32)
+    token_tile: int = 8  # tokens per CTA (8, 16 or 32)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -60,6 +72,8 @@ class MoERouteConfig:
             raise ValueError(f"{self.num_experts} experts in {self.n_group} groups, top {self.topk_group}")
         if self.shared not in ("none", "ungated", "gated"):
             raise ValueError("shared must be none, ungated or gated")
+        if self.expert_tile not in (16, 32) or self.token_tile not in (8, 16, 32):
+            raise ValueError("expert_tile must be 16 or 32, token_tile 8, 16 or 32")
 
     @property
     def routes_per_token(self) -> int:
@@ -73,6 +87,12 @@ class MoERouteConfig:
     def packed_experts(self) -> int:
         """Experts the packing sees: the routed ones, plus the shared expert as id E."""
         return self.num_experts + (self.shared != "none")
+
+
+def tiles_for(tokens: int) -> dict:
+    """Route kernel tiles for M tokens: small tiles (more CTAs pulling the router) at decode, larger ones (less
+    re-reading of router and activations) for big batches. Any choice gives the same logits."""
+    return dict(expert_tile=16 if tokens <= 32 else 32, token_tile=8 if tokens <= 8 else 16 if tokens <= 16 else 32)
 
 
 @dsl_user_op
@@ -93,16 +113,23 @@ def _better(v, i, ov, oi):
     return (ov > v) | ((ov == v) & (oi < i))
 
 
-def warp_argmax(v, i, extra):
-    """Butterfly argmax over a warp of (value, index, extra): every lane ends with the winner's triple."""
-    for bit in range(5):
-        offset = 16 >> bit
-        ov = cute.arch.shuffle_sync_bfly(v, offset)
-        oi = cute.arch.shuffle_sync_bfly(i, offset)
-        oe = cute.arch.shuffle_sync_bfly(extra, offset)
-        take = _better(v, i, ov, oi)
-        v, i, extra = cutlass.select_(take, ov, v), cutlass.select_(take, oi, i), cutlass.select_(take, oe, extra)
-    return v, i, extra
+def lane_best(values, ids, extra):
+    """This lane's best (value, id, extra) of its candidates (compile-time lists)."""
+    v, i, e = values[0], ids[0], extra[0]
+    for c in range(1, len(values)):
+        take = _better(v, i, values[c], ids[c])
+        v, i, e = cutlass.select_(take, values[c], v), cutlass.select_(take, ids[c], i), cutlass.select_(take, extra[c], e)
+    return v, i, e
+
+
+def warp_best(v, i, extra):
+    """The warp's best (value, id) - higher value, ties to the lower id - and the winner's ``extra``, in every
+    lane; ids must be owned by lane ``id % 32``. Two ``redux.sync`` and one shuffle."""
+    key = cutlass.Uint32(ptx.order_key(v))
+    top = cute.arch.warp_redux_sync(key, "umax")
+    win = cute.arch.warp_redux_sync(cutlass.select_(key == top, i, Int32(NO_ID)), "min")
+    owner = win % 32
+    return cute.arch.shuffle_sync(v, owner), win, cute.arch.shuffle_sync(extra, owner)
 
 
 def warp_sum(v):
@@ -121,7 +148,8 @@ class MoERoute:
     def __init__(self, config: MoERouteConfig):
         self.cfg = config
         self.per_lane = (config.num_experts + 31) // 32
-        self.x_type = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[config.x_dtype]
+        self.m_tiles = config.expert_tile // 16
+        self.n_tiles = config.token_tile // 8
 
     @cute.jit
     def __call__(
@@ -134,23 +162,26 @@ class MoERoute:
         mLogits: cute.Tensor,  # [M, E_r] fp32 scratch
         mIds: cute.Tensor,  # [M, k'] int32
         mW: cute.Tensor,  # [M, k'] fp32
-        mCounters: cute.Tensor,  # int32 [>= ceil(M/8) + 1], zero before the first launch
+        mRank: cute.Tensor,  # [M * k'] int32: each route's rank inside its expert
+        mCounters: cute.Tensor,  # int32 [>= ceil(M/token_tile) + 1], zero before the first launch
+        mCounts: cute.Tensor,  # int32 [E'], zero before the first launch
+        mExpertRow: cute.Tensor,  # [E'] int32
         mBlockExpert: cute.Tensor,  # [blocks] int32
         mRowRoute: cute.Tensor,  # [blocks * T] int32
-        mRouteRow: cute.Tensor,  # [M * k'] int32
         block_rows: Int32,  # T
         stream: cuda.CUstream,
     ):
-        grid = ((self.cfg.router_rows + EXPERTS_PER_CTA - 1) // EXPERTS_PER_CTA,
-                (mX.shape[0] + TOKENS_PER_CTA - 1) // TOKENS_PER_CTA, 1)
-        self.kernel(mX, mRouter, mBias, mGivenIds, mGivenW, mLogits, mIds, mW, mCounters, mBlockExpert, mRowRoute,
-                    mRouteRow, block_rows).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+        grid = ((self.cfg.router_rows + self.cfg.expert_tile - 1) // self.cfg.expert_tile,
+                (mX.shape[0] + self.cfg.token_tile - 1) // self.cfg.token_tile, 1)
+        self.kernel(mX, mRouter, mBias, mGivenIds, mGivenW, mLogits, mIds, mW, mRank, mCounters, mCounts,
+                    mExpertRow, mBlockExpert, mRowRoute, block_rows).launch(grid=grid, block=(THREADS, 1, 1),
+                                                                             stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRouter: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor,
-               mGivenW: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
-               mCounters: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, mRouteRow: cute.Tensor,
-               block_rows: Int32):
+               mGivenW: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor,
+               mCounters: cute.Tensor, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor,
+               mRowRoute: cute.Tensor, block_rows: Int32):
         cfg = self.cfg
         tid, _, _ = cute.arch.thread_idx()
         chunk, tb, _ = cute.arch.block_idx()
@@ -158,43 +189,25 @@ class MoERoute:
         warp = tid // 32
         lane = tid % 32
         tokens = mX.shape[0]
-        hidden = mX.shape[1]
-        tok0 = tb * TOKENS_PER_CTA
 
         smem = SmemAllocator()
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
-        sScan = smem.allocate_tensor(Int32, cute.make_layout(THREADS // 32), 16)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
         sCount = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
-        sCursor = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
+        tile = self.m_tiles * self.n_tiles * 4 * 32
+        sPart = smem.allocate_tensor(Float32, cute.make_layout(WARPS * tile), 16)
 
-        # --- logits: row e of the router against 8 tokens, 4 columns per lane per step --------------------
-        e = chunk * EXPERTS_PER_CTA + warp
-        if e < cfg.router_rows:
-            acc = cute.make_rmem_tensor(cute.make_layout(TOKENS_PER_CTA), Float32)
-            acc.fill(0.0)
-            row_addr = mRouter.iterator.toint() + Int64(e) * hidden * 2
-            for step in cutlass.range((hidden + 127) // 128, unroll=4):
-                col = (step * 32 + lane) * 4
-                if col < hidden:
-                    r = ptx.ld_global_cg_v4_f16_as_f32(row_addr + col * 2)
-                    for t in cutlass.range_constexpr(TOKENS_PER_CTA):
-                        tok = cutlass.min(tok0 + t, tokens - 1)
-                        for i in cutlass.range_constexpr(4):
-                            acc[t] = acc[t] + Float32(mX[tok, col + i]) * r[i]
-            for t in cutlass.range_constexpr(TOKENS_PER_CTA):
-                total = warp_sum(acc[t])
-                if lane == 0 and tok0 + t < tokens:
-                    mLogits[tok0 + t, e] = total
+        self.logits(mX, mRouter, mLogits, sPart, chunk * cfg.expert_tile, tb * cfg.token_tile, warp, lane, tid)
 
         # --- the last CTA of this token block: top-k of its tokens ----------------------------------------
         counter = mCounters.iterator.toint() + Int64(tb) * 4
         ptx.count_in(counter, n_chunks, sFlag, 0, tid)
         if sFlag[0] != 0:
             ptx.fence_gpu()
-            for t in cutlass.range_constexpr(TOKENS_PER_CTA // EXPERTS_PER_CTA):
-                tok = tok0 + warp * (TOKENS_PER_CTA // EXPERTS_PER_CTA) + t
+            for t in cutlass.range(warp, cfg.token_tile, WARPS):
+                tok = tb * cfg.token_tile + t
                 if tok < tokens:
-                    self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, tok, lane)
+                    self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, tok, lane)
             if tid == 0:
                 ptx.st_global_u32(counter, Int32(0))
             # --- the last token block: pack the routes ----------------------------------------------------
@@ -202,13 +215,86 @@ class MoERoute:
             ptx.count_in(last, n_tb, sFlag, 1, tid)
             if sFlag[1] != 0:
                 ptx.fence_gpu()
-                self.pack(mIds, mBlockExpert, mRowRoute, mRouteRow, block_rows, sCount, sCursor, sFlag, sScan, tid)
+                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
+                          tid)
                 if tid == 0:
                     ptx.st_global_u32(last, Int32(0))
 
     @cute.jit
+    def logits(self, mX: cute.Tensor, mRouter: cute.Tensor, mLogits: cute.Tensor, sPart: cute.Tensor, e0: Int32,
+               t0: Int32, warp: Int32, lane: Int32, tid: Int32):
+        """``logits[t0 .., e0 ..]`` of this CTA's tile: warp w's slice of the hidden dim as MMAs, then the warps'
+        partial tiles summed in warp order."""
+        cfg = self.cfg
+        mt_n, nt_n = self.m_tiles, self.n_tiles
+        hidden = mX.shape[1]
+        rows = mRouter.shape[0]
+        tokens = mX.shape[0]
+        g = lane // 4
+        q = lane % 4
+        # Byte addresses of this lane's A rows (g, g+8 of each m-tile) and B tokens (g of each n-tile), clamped in.
+        a_rows = [mRouter.iterator.toint() + Int64(cutlass.min(e0 + 8 * r + g, rows - 1)) * hidden * 2 + 8 * q
+                  for r in range(2 * mt_n)]
+        b_rows = [mX.iterator.toint() + Int64(cutlass.min(t0 + 8 * n + g, tokens - 1)) * hidden * 2 + 8 * q
+                  for n in range(nt_n)]
+        steps = (hidden + 15) // 16
+        per_warp = (steps + WARPS - 1) // WARPS
+        s_begin = warp * per_warp
+        s_end = cutlass.min(s_begin + per_warp, steps)
+        acc = cute.make_rmem_tensor(cute.make_layout(mt_n * nt_n * 4), Float32)
+        acc.fill(0.0)
+        for s0 in cutlass.range(s_begin, s_end, STEPS_IN_FLIGHT):
+            a_words, b_words = [], []
+            for j in cutlass.range_constexpr(STEPS_IN_FLIGHT):
+                col = (s0 + j) * 16 + 4 * q
+                ok = (s0 + j < s_end) & (col < hidden)
+                offset = Int64(cutlass.select_(ok, col, Int32(0))) * 2 - 8 * q
+                a_words.append([self.masked(ptx.ld_global_v2_b32(a + offset), ok) for a in a_rows])
+                b_words.append([self.masked(ptx.ld_global_v2_b32(b + offset), ok) for b in b_rows])
+            for j in cutlass.range_constexpr(STEPS_IN_FLIGHT):
+                for mt in cutlass.range_constexpr(mt_n):
+                    lo, hi = a_words[j][2 * mt], a_words[j][2 * mt + 1]  # rows g and g+8
+                    for nt in cutlass.range_constexpr(nt_n):
+                        b = b_words[j][nt]
+                        base = (mt * nt_n + nt) * 4
+                        c = [acc[base + i] for i in range(4)]
+                        if cutlass.const_expr(cfg.x_dtype == "float16"):
+                            c = ptx.mma_m16n8k16_f32((lo[0], hi[0], lo[1], hi[1]), b, c, "float16")
+                        else:
+                            # exact: the fp16 router as the sum of two bf16 matrices
+                            lo0, lo0r = ptx.f16x2_as_bf16x2_pair(lo[0])
+                            hi0, hi0r = ptx.f16x2_as_bf16x2_pair(hi[0])
+                            lo1, lo1r = ptx.f16x2_as_bf16x2_pair(lo[1])
+                            hi1, hi1r = ptx.f16x2_as_bf16x2_pair(hi[1])
+                            c = ptx.mma_m16n8k16_f32((lo0, hi0, lo1, hi1), b, c, "bfloat16")
+                            c = ptx.mma_m16n8k16_f32((lo0r, hi0r, lo1r, hi1r), b, c, "bfloat16")
+                        for i in cutlass.range_constexpr(4):
+                            acc[base + i] = c[i]
+        tile = mt_n * nt_n * 4
+        for i in cutlass.range_constexpr(tile):
+            sPart[(warp * tile + i) * 32 + lane] = acc[i]
+        cute.arch.sync_threads()
+        for idx in cutlass.range(tid, tile * 32, THREADS):
+            total = sPart[idx]
+            for w in cutlass.range_constexpr(1, WARPS):
+                total = total + sPart[w * tile * 32 + idx]
+            i = idx // 32
+            el = idx % 32
+            c = i % 4
+            nt = (i // 4) % nt_n
+            mt = i // 4 // nt_n
+            expert = e0 + mt * 16 + el // 4 + 8 * (c // 2)
+            tok = t0 + nt * 8 + 2 * (el % 4) + c % 2
+            if expert < rows and tok < tokens:
+                mLogits[tok, expert] = total
+
+    @staticmethod
+    def masked(words, ok):
+        return [cutlass.select_(ok, w, Int32(0)) for w in words]
+
+    @cute.jit
     def top_k(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
-              mIds: cute.Tensor, mW: cute.Tensor, tok: Int32, lane: Int32):
+              mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounts: cute.Tensor, tok: Int32, lane: Int32):
         """One warp: token ``tok``'s routes (every loop here is unrolled at compile time)."""
         cfg = self.cfg
         n, k = cfg.num_experts, cfg.top_k
@@ -219,7 +305,7 @@ class MoERoute:
                 ids.append(mGivenIds[tok, j])
                 weights.append(Float32(mGivenW[tok, j]))
         else:
-            expert = [lane + 32 * i for i in range(self.per_lane)]
+            expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
             valid = [x < n for x in expert]
             logit = [cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
                      for i in range(self.per_lane)]
@@ -244,52 +330,49 @@ class MoERoute:
                         c = c + Float32(mBias[cutlass.min(expert[i], n - 1)])
                     choice.append(cutlass.select_(valid[i], c, Float32(NEG_INF)))
                 if cutlass.const_expr(cfg.n_group > 1):
-                    choice = self.limit_groups(choice, expert, lane)
+                    choice = self.limit_groups(choice, expert)
             for j in cutlass.range_constexpr(k):
-                v, idx, sc = choice[0], Int32(expert[0]), score[0]
-                for i in cutlass.range_constexpr(1, self.per_lane):
-                    take = _better(v, idx, choice[i], Int32(expert[i]))
-                    v, idx, sc = (cutlass.select_(take, choice[i], v), cutlass.select_(take, Int32(expert[i]), idx),
-                                  cutlass.select_(take, score[i], sc))
-                v, idx, sc = warp_argmax(v, idx, sc)
+                v, idx, sc = lane_best(choice, expert, score)
+                _, idx, sc = warp_best(v, idx, sc)
                 ids.append(idx)
                 weights.append(sc)
-                choice = [cutlass.select_(Int32(expert[i]) == idx, Float32(NEG_INF), choice[i])
-                          for i in range(self.per_lane)]
+                choice = [cutlass.select_(expert[i] == idx, Float32(NEG_INF), choice[i]) for i in range(self.per_lane)]
             if cutlass.const_expr(cfg.normalize):
                 total = weights[0]
                 for j in cutlass.range_constexpr(1, k):
                     total = total + weights[j]
                 weights = [w / (total + Float32(1e-20)) for w in weights]
             weights = [w * Float32(cfg.scale) for w in weights]
-        if lane == 0:
-            for j in cutlass.range_constexpr(k):
+        # lane j writes slot j and takes the route's rank inside its expert
+        routes = mIds.shape[1]
+        for j in cutlass.range_constexpr(k):
+            if lane == j:
                 mIds[tok, j] = ids[j]
                 mW[tok, j] = weights[j]
-            if cutlass.const_expr(cfg.shared != "none"):
-                gate = Float32(1.0)
-                if cutlass.const_expr(cfg.shared == "gated"):
-                    gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4)))
+                mRank[tok * routes + j] = ptx.atomic_add_u32(mCounts.iterator.toint() + Int64(ids[j]) * 4, Int32(1))
+        if cutlass.const_expr(cfg.shared != "none"):
+            gate = Float32(1.0)
+            if cutlass.const_expr(cfg.shared == "gated"):
+                gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4)))
+            if lane == k % 32:
                 mIds[tok, k] = Int32(n)
                 mW[tok, k] = gate
+                mRank[tok * routes + k] = tok
 
-    def limit_groups(self, choice, expert, lane):
+    def limit_groups(self, choice, expert):
         """-inf for the experts outside the topk_group groups whose two best choices sum highest."""
         cfg = self.cfg
         size = cfg.num_experts // cfg.n_group
         group_score = []
         for g in range(cfg.n_group):
-            member = [(Int32(x) >= g * size) & (Int32(x) < (g + 1) * size) for x in expert]
+            member = [(x >= g * size) & (x < (g + 1) * size) for x in expert]
             vals = [cutlass.select_(member[i], choice[i], Float32(NEG_INF)) for i in range(len(choice))]
             best = Float32(0.0)
             for r in range(min(2, size)):
-                v, idx = vals[0], Int32(expert[0])
-                for i in range(1, len(vals)):
-                    take = _better(v, idx, vals[i], Int32(expert[i]))
-                    v, idx = cutlass.select_(take, vals[i], v), cutlass.select_(take, Int32(expert[i]), idx)
-                v, idx, _ = warp_argmax(v, idx, v)
+                v, idx, _ = lane_best(vals, expert, vals)
+                v, idx, _ = warp_best(v, idx, v)
                 best = best + v
-                vals = [cutlass.select_(Int32(expert[i]) == idx, Float32(NEG_INF), vals[i]) for i in range(len(vals))]
+                vals = [cutlass.select_(expert[i] == idx, Float32(NEG_INF), vals[i]) for i in range(len(vals))]
             group_score.append(best)
         keep = [Int32(0)] * cfg.n_group
         for r in range(cfg.topk_group):
@@ -305,31 +388,30 @@ class MoERoute:
         for i, x in enumerate(expert):
             kept = Int32(0)
             for g in range(cfg.n_group):
-                kept = cutlass.select_((Int32(x) >= g * size) & (Int32(x) < (g + 1) * size), keep[g], kept)
+                kept = cutlass.select_((x >= g * size) & (x < (g + 1) * size), keep[g], kept)
             out.append(cutlass.select_(kept != 0, choice[i], Float32(NEG_INF)))
         return out
 
     @cute.jit
-    def pack(self, mIds: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, mRouteRow: cute.Tensor,
-             block_rows: Int32, sCount: cute.Tensor, sCursor: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
+    def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
+             tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
              tid: Int32):
-        """One CTA: routes grouped by expert, each expert's rows padded to ``block_rows``."""
-        experts = self.cfg.packed_experts
-        routes = mIds.shape[0] * mIds.shape[1]
-        ids = mIds.iterator.toint()
-        for e in range(tid, experts, THREADS):
-            sCount[e] = 0
-        cute.arch.sync_threads()
-        for i in range(tid, routes, THREADS):
-            cute.arch.atomic_add(sCount.iterator + ld_cg_s32(ids + Int64(i) * 4), Int32(1))
-        cute.arch.sync_threads()
+        """One CTA: each expert's rows padded to ``block_rows``, in expert order; counts zeroed for the next launch."""
+        cfg = self.cfg
+        experts = cfg.packed_experts
+        counts = mCounts.iterator.toint()
         # Exclusive prefix sum of the padded counts: thread t owns experts [t*per, (t+1)*per).
         per = (experts + THREADS - 1) // THREADS
         first = cutlass.min(tid * per, experts)
         last = cutlass.min(first + per, experts)
         rows = Int32(0)
         for e in range(first, last):
-            rows = rows + (sCount[e] + block_rows - 1) // block_rows * block_rows
+            count = Int32(tokens)  # the shared expert (id E) takes every token
+            if e < cfg.num_experts:
+                count = ld_cg_s32(counts + Int64(e) * 4)
+                ptx.st_global_u32(counts + Int64(e) * 4, Int32(0))
+            sCount[e] = count
+            rows = rows + (count + block_rows - 1) // block_rows * block_rows
         lane = tid % 32
         scan = rows
         for bit in cutlass.range_constexpr(5):
@@ -339,27 +421,19 @@ class MoERoute:
             sScan[tid // 32] = scan
         cute.arch.sync_threads()
         start = scan - rows
-        for w in cutlass.range_constexpr(THREADS // 32):
+        for w in cutlass.range_constexpr(WARPS):
             start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
         for e in range(first, last):
-            blocks = (sCount[e] + block_rows - 1) // block_rows
-            sCursor[e] = start
+            count = sCount[e]
+            blocks = (count + block_rows - 1) // block_rows
+            mExpertRow[e] = start
             for b in range(blocks):
                 mBlockExpert[start // block_rows + b] = e
+            for r in range(start + count, start + blocks * block_rows):
+                mRowRoute[r] = -1
             start = start + blocks * block_rows
         cute.arch.sync_threads()
         for b in range(sFlag[2] + tid, mBlockExpert.shape[0], THREADS):
             mBlockExpert[b] = -1
-        for e in range(tid, experts, THREADS):
-            count = sCount[e]
-            start = sCursor[e]
-            for r in range(start + count, start + (count + block_rows - 1) // block_rows * block_rows):
-                mRowRoute[r] = -1
-        cute.arch.sync_threads()
-        for i in range(tid, routes, THREADS):
-            e = ld_cg_s32(ids + Int64(i) * 4)
-            pos = cute.arch.atomic_add(sCursor.iterator + e, Int32(1))
-            mRowRoute[pos] = i
-            mRouteRow[i] = pos

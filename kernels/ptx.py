@@ -272,3 +272,73 @@ def pack_f32x2(lo, hi, dtype: str, *, loc=None, ip=None) -> Int32:
     values = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]
     return Int32(llvm.inline_asm(T.i32(), values, f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
                                  has_side_effects=False, loc=loc, ip=ip))
+
+
+# --- helpers of the fused MoE kernels -------------------------------------------------------------------------
+
+
+@dsl_user_op
+def ld_global_v2_b32(gmem_addr, *, loc=None, ip=None):
+    """Two 32-bit words from an 8-byte aligned global address (data this launch does not write)."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Int32, values, "ld.global.v2.b32 {$0,$1}, [$2];", "=r,=r,l", side_effects=True, count=2,
+                  loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_v2_b32(gmem_addr, w0, w1, *, loc=None, ip=None) -> None:
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1)]
+    _asm_void(values, "st.global.v2.b32 [$0], {$1,$2};", "l,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def words_to_f32(w0, w1, dtype: str, *, loc=None, ip=None):
+    """The four fp16 or bf16 halves of two words (low half first), widened to Float32."""
+    if dtype == "float16":
+        text = ("{.reg .b16 a, b, c, d; mov.b32 {a, b}, $4; mov.b32 {c, d}, $5; cvt.f32.f16 $0, a; "
+                "cvt.f32.f16 $1, b; cvt.f32.f16 $2, c; cvt.f32.f16 $3, d;}")
+    else:  # bf16 -> fp32 is the bits moved to the top half (no cvt.f32.bf16 before sm_90)
+        text = ("{.reg .b32 t; shl.b32 t, $4, 16; mov.b32 $0, t; and.b32 t, $4, 0xffff0000; mov.b32 $1, t; "
+                "shl.b32 t, $5, 16; mov.b32 $2, t; and.b32 t, $5, 0xffff0000; mov.b32 $3, t;}")
+    values = [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1)]
+    return _asm_4(Float32, values, text, "=f,=f,=f,=f,r,r", side_effects=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mma_m16n8k16_f32(a, b, c, dtype: str, *, loc=None, ip=None):
+    """``D = A @ B + C`` for one warp with fp16 or bf16 A (4 regs) and B (2 regs), fp32 C/D (4 regs)."""
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    values = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+    values += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
+            "{$10,$11,$12,$13};")
+    return _asm_4(Float32, values, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effects=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f16x2_as_bf16x2_pair(x, *, loc=None, ip=None):
+    """(hi, lo) bf16x2 with ``hi + lo`` exactly the two fp16 of x (fp16 has 11 significant bits, bf16 8, so the
+    rounding remainder fits in bf16): lets bf16 activations meet an fp16 matrix in bf16 MMAs without loss."""
+    text = (
+        "{.reg .b16 l, h; .reg .f32 fl, fh, gl, gh; .reg .b32 t; mov.b32 {l, h}, $2; cvt.f32.f16 fl, l; "
+        "cvt.f32.f16 fh, h; cvt.rn.bf16x2.f32 $0, fh, fl; shl.b32 t, $0, 16; mov.b32 gl, t; "
+        "and.b32 t, $0, 0xffff0000; mov.b32 gh, t; sub.f32 fl, fl, gl; sub.f32 fh, fh, gh; "
+        "cvt.rn.bf16x2.f32 $1, fh, fl;}"
+    )
+    values = [Int32(x).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Int32, values, text, "=r,=r,r", side_effects=False, count=2, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def order_key(v, *, loc=None, ip=None) -> Int32:
+    """The bits of fp32 ``v`` mapped so that unsigned integer order is float order (-inf lowest)."""
+    text = "{.reg .b32 b, s; mov.b32 b, $1; shr.s32 s, b, 31; or.b32 s, s, 0x80000000; xor.b32 $0, b, s;}"
+    return Int32(llvm.inline_asm(T.i32(), [Float32(v).ir_value(loc=loc, ip=ip)], text, "=r,f",
+                                 has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_global_v4_f32(gmem_addr, values, *, loc=None, ip=None) -> None:
+    """Store four Float32 to a 16-byte aligned global address."""
+    args = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    _asm_void(args, "st.global.v4.f32 [$0], {$1,$2,$3,$4};", "l,f,f,f,f", loc=loc, ip=ip)

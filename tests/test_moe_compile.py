@@ -38,6 +38,7 @@ def test_grouped_gemm_other_archs(arch):
 
 @pytest.mark.parametrize("config", [
     MoERouteConfig("softmax_topk", 128, 8),
+    MoERouteConfig("softmax_topk", 128, 8, expert_tile=32, token_tile=32),
     MoERouteConfig("softmax_topk", 60, 4, normalize=False, shared="gated", x_dtype="bfloat16"),
     MoERouteConfig("sigmoid_noaux_tc", 256, 8, scale=2.5, n_group=8, topk_group=4, correction_bias=True,
                    shared="ungated"),
@@ -46,17 +47,23 @@ def test_grouped_gemm_other_archs(arch):
 ], ids=str)
 def test_route_compiles(config):
     ptx = ptx_of(config)
-    # logits -> top-k in the last CTA of a token block -> packing in the last block: fences, counters, atomics
-    assert "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx and "atom.shared" in ptx
-    if config.method != "given":
-        assert ptx.count("shfl.sync.bfly") >= 5 * 3 * config.top_k
+    # logits on the tensor cores -> top-k in the last CTA of a token block (ranks from global atomics) ->
+    # packing in the last block: fences, counters, atomics
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32." + ("f16.f16" if config.x_dtype == "float16" else "bf16.bf16")
+    assert mma in ptx and "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx
+    if config.method != "given":  # two redux.sync per chosen expert
+        assert ptx.count("redux.sync") >= 2 * config.top_k
 
 
-@pytest.mark.parametrize("config", [RouteInputRotationConfig("float16"), RouteInputRotationConfig("bfloat16"),
+@pytest.mark.parametrize("config", [RouteInputRotationConfig("float16", 8), RouteInputRotationConfig("bfloat16", 9),
                                     IntermediateConfig(1), IntermediateConfig(4), TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16)], ids=str)
 def test_rotations_compile(config):
-    assert ptx_of(config).count("shfl.sync.bfly") >= 5 * 4
+    ptx = ptx_of(config)
+    assert ptx.count("shfl.sync.bfly") >= 5 * 4
+    # 8-byte (16-bit values) or 16-byte (fp32 output) vector stores, never scalar ones
+    assert "st.global.v2.b32" in ptx or "st.global.v4.f32" in ptx
+    assert "st.global.b16" not in ptx and "st.global.u16" not in ptx
 
 
 def test_configs_refuse_what_the_kernels_cannot_do():
@@ -66,3 +73,5 @@ def test_configs_refuse_what_the_kernels_cannot_do():
         MoERouteConfig("softmax_topk", 8, 9)
     with pytest.raises(ValueError):
         MoERouteConfig("sigmoid_noaux_tc", 10, 2, n_group=4)
+    with pytest.raises(ValueError):
+        MoERouteConfig("softmax_topk", 128, 8, token_tile=64)

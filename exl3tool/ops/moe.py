@@ -30,7 +30,7 @@ from exl3tool.errors import UnsupportedFeatureError
 from exl3tool.format import Codebook
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
-from exl3tool.kernels.moe_route import TOKENS_PER_CTA, MoERouteConfig
+from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.runtime import require_gpu, target_arch
 
@@ -219,7 +219,11 @@ class MoEPlan:
         self.logits = new(max_tokens * e_r, torch.float32)
         self.ids = new(max_tokens * k, torch.int32)
         self.weights = new(max_tokens * k, torch.float32)
-        self.counters = torch.zeros(math.ceil(max_tokens / TOKENS_PER_CTA) + 1, dtype=torch.int32, device=device)
+        self.rank = new(max_tokens * k, torch.int32)
+        # arrival counters (one per token block, one for the last block) and per-expert counts: kept at zero
+        self.counters = torch.zeros(max_tokens + 1, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(cfg.packed_experts, dtype=torch.int32, device=device)
+        self.expert_row = new(cfg.packed_experts, torch.int32)
         self.block_expert = new(max(s.blocks for s in shapes), torch.int32)
         self.row_route = new(rows, torch.int32)
         self.route_row = new(max_tokens * k, torch.int32)
@@ -234,9 +238,10 @@ class MoEPlan:
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.logits, self.ids, self.weights, self.block_expert,
-                                                          self.row_route, self.route_row, self.xr, self.p13,
-                                                          self.x2, self.p2, self.y))
+        return sum(t.numel() * t.element_size() for t in (self.logits, self.ids, self.weights, self.rank,
+                                                          self.expert_row, self.block_expert, self.row_route,
+                                                          self.route_row, self.xr, self.p13, self.x2, self.p2,
+                                                          self.y))
 
     def launches(self, tokens: int) -> int:
         return 2 + 4 * len(self.dmoe.groups)
@@ -252,7 +257,8 @@ class MoEPlan:
         s = step_shape(d, tokens, self.sm_count)
         cfg = d.route
         k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
-        route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype])
+        route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype],
+                            **tiles_for(tokens))
         step = _Step(s)
         logits = self.logits[: tokens * e_r].view(tokens, e_r)
         ids = self.ids[: tokens * k].view(tokens, k)
@@ -260,11 +266,12 @@ class MoEPlan:
         block_expert = self.block_expert[: s.blocks]
         row_route = self.row_route[:rows]
         route_row = self.route_row[: tokens * k]
+        rank = self.rank[: tokens * k]
         xr = self.xr[: 2 * rows * h_p].view(2, rows, h_p)
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
-        step.route = (K.compiled(route_cfg, arch), logits, ids, weights, block_expert, row_route, route_row, bias)
-        rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype]), arch)
+        step.route = (K.compiled(route_cfg, arch), logits, ids, weights, rank, block_expert, row_route, bias)
+        rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k), arch)
         inter = K.compiled(IntermediateConfig(s.splits13), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         tg = s.block_rows // 8
@@ -277,8 +284,8 @@ class MoEPlan:
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             step.launches += [
-                (K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, row_route, block_expert,
-                                                g.group_row, k, s.block_rows)),
+                (K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row,
+                                                g.group_row, row_route, route_row)),
                 (K.launch_gemm, K.compiled(g13, arch), (K.as_words(xr), g.w13, p13, block_expert, g.group_row,
                                                         per13)),
                 (K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert, g.group_row,
@@ -315,10 +322,10 @@ def moe_forward(x: torch.Tensor, plan: MoEPlan, out: torch.Tensor | None = None,
         raise ValueError(f"{d.name}: {tokens} tokens; this plan takes 1..{plan.max_tokens}")
     given = topk_ids is not None
     step = plan.step(tokens, given)
-    fn, logits, ids, weights, block_expert, row_route, route_row, bias = step.route
+    fn, logits, ids, weights, rank, block_expert, row_route, bias = step.route
     gi, gw = (topk_ids, topk_weights) if given else (plan.dummy_i32, plan.dummy_f32)
-    K.launch_route(fn, x, d.router, bias, gi, gw, logits, ids, weights, plan.counters, block_expert, row_route,
-                   route_row, step.shape.block_rows)
+    K.launch_route(fn, x, d.router, bias, gi, gw, logits, ids, weights, rank, plan.counters, plan.counts,
+                   plan.expert_row, block_expert, row_route, step.shape.block_rows)
     for launch, fn, args in step.launches:
         launch(fn, *((x,) + args[1:] if args[0] is None else args))
     y = step.y if out is None else out

@@ -32,9 +32,10 @@ def _compile(kernel, args, options: str):
 
 def build_route(cfg: MoERouteConfig, options: str):
     m, h = cute.sym_int(), cute.sym_int()
-    args = [fake_tensor(_CUTE[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None), fake_tensor(I32, None, None),
-            fake_tensor(F32, None, None), fake_tensor(F32, m, None), fake_tensor(I32, m, None), fake_tensor(F32, m, None), fake_tensor(I32, None),
-            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
+    args = [fake_tensor(_CUTE[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None),
+            fake_tensor(I32, None, None), fake_tensor(F32, None, None), fake_tensor(F32, m, None),
+            fake_tensor(I32, m, None), fake_tensor(F32, m, None), fake_tensor(I32, None), fake_tensor(I32, None),
+            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
     return _compile(MoERoute(cfg), args, options)
 
 
@@ -47,8 +48,10 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
-    args = [fake_tensor(_CUTE[cfg.x_dtype], None, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None),
-            fake_tensor(F16, 2, None, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0, 0]
+    m = cute.sym_int()
+    args = [fake_tensor(_CUTE[cfg.x_dtype], m, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None),
+            fake_tensor(F16, 2, None, None), fake_tensor(I32, m, cfg.routes_per_token), fake_tensor(I32, None),
+            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None)]
     return _compile(RouteInputRotation(cfg), args, options)
 
 
@@ -78,18 +81,18 @@ def compiled(cfg, arch: str):
 # --- launchers (argument order = the kernels' __call__) -----------------------------------------------------
 
 
-def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, counters, block_expert, row_route,
-                 route_row, block_rows: int):
-    fn(x, router, bias, given_ids, given_w, logits, ids, w, counters, block_expert, row_route, route_row, block_rows)
+def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, counters, counts, expert_row,
+                 block_expert, row_route, block_rows: int):
+    fn(x, router, bias, given_ids, given_w, logits, ids, w, rank, counters, counts, expert_row, block_expert,
+       row_route, block_rows)
 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split)
 
 
-def launch_input_rotation(fn, x, gate_suh, up_suh, xr, row_route, block_expert, group_row, routes_per_token: int,
-                          block_rows: int):
-    fn(x, gate_suh, up_suh, xr, row_route, block_expert, group_row, routes_per_token, block_rows)
+def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):
+    fn(x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row)
 
 
 def launch_intermediate(fn, partials, rotations, x2, row_route, block_expert, group_row, inter_true: int,

@@ -28,7 +28,8 @@ def rel(got, want) -> float:
 
 
 def poison(plan) -> None:
-    for t in (plan.logits, plan.ids, plan.weights, plan.row_route, plan.route_row, plan.block_expert):
+    for t in (plan.logits, plan.ids, plan.weights, plan.rank, plan.expert_row, plan.row_route, plan.route_row,
+              plan.block_expert):
         t.fill_(-7 if t.dtype == torch.int32 else float("nan"))
     for t in (plan.xr, plan.p13, plan.x2, plan.p2, plan.y):
         t.fill_(float("nan"))
@@ -164,6 +165,11 @@ def test_synthetic_layers_match_the_reference(synthetic, name):
         assert plan.launches(1) == 6
 
 
+def test_bf16_activations(synthetic):
+    """bf16 x: the router logits run as bf16 MMAs against the fp16 router split exactly into two bf16 parts."""
+    run_layer(synthetic("k3.5-mul1-shared-gated"), 0, [1, 5, 64], dtype=torch.bfloat16)
+
+
 def test_skewed_routing_empty_experts_and_one_expert_for_all(synthetic):
     reader = synthetic("k2-3inst-unnormalised")
     moe = reader.moe(0, device="cuda")
@@ -217,5 +223,7 @@ def test_each_token_is_independent_of_the_batch(synthetic):
     other = x.clone()
     other[10:] = (torch.randn(246, 2048, device="cuda") * 0.1).half()  # the rest of the batch changes
     assert torch.equal(moe_forward(other, plan)[:10], y[:10])  # bit-identical at the same M
-    for t in (0, 3):  # alone (another M, so other split-K): the same up to fp32 rounding
+    ids = routes(plan, 256)[0].clone()
+    for t in (0, 3):  # alone (another M: other route tiles and split-K): same routes, same output up to rounding
         assert rel(moe_forward(x[t: t + 1].contiguous(), plan), y[t: t + 1]) < 1e-3
+        assert torch.equal(routes(plan, 1)[0], ids[t: t + 1])
