@@ -56,6 +56,7 @@ def test_route_compiles(config):
 
 
 @pytest.mark.parametrize("config", [RouteInputRotationConfig("float16", 8), RouteInputRotationConfig("bfloat16", 9),
+                                    RouteInputRotationConfig("float16", 8, 8), RouteInputRotationConfig("bfloat16", 9, 9),
                                     IntermediateConfig(1), IntermediateConfig(4), TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16)], ids=str)
 def test_rotations_compile(config):

@@ -35,6 +35,7 @@ from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.runtime import require_gpu, target_arch
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
+ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
 BLOCK_ROWS = (8, 16, 32, 64)  # route block = GEMM tokens per CTA, by the mean routes per expert
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -271,7 +272,10 @@ class MoEPlan:
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
         step.route = (K.compiled(route_cfg, arch), logits, ids, weights, rank, block_expert, row_route, bias)
-        rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k), arch)
+        # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
+        # (decode), a warp per slot instead (x re-read from L2).
+        slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
+        rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups), arch)
         inter = K.compiled(IntermediateConfig(s.splits13), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         tg = s.block_rows // 8
