@@ -127,6 +127,6 @@ class Fold:
             piece = i * 32 * WARPS + tid
             row, k = piece // 16, piece % 16
             src = smem_base + (row * STRIDE + 8 * k) * 4
-            v = ptx.ld_shared_v4_f32(src) + ptx.ld_shared_v4_f32(src + 16)
+            v = ptx.ld_shared_v4(src, Float32) + ptx.ld_shared_v4(src + 16, Float32)
             words = [ptx.pack_f32x2(v[2 * h], v[2 * h + 1], self.cfg.out_dtype) for h in range(4)]
             ptx.st_global_v4(out_base + (Int64(bi * 128 + row) * mOut.shape[1] + bj * 128 + 8 * k) * 2, words)

@@ -175,11 +175,12 @@ def st_shared_b32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ld_shared_v4(smem_addr, *, loc=None, ip=None):
-    """Four 32-bit words from a 16-byte aligned shared address."""
+def ld_shared_v4(smem_addr, kind=Int32, *, loc=None, ip=None):
+    """Four 32-bit values from a 16-byte aligned shared address: Int32 words or Float32."""
     values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
-    return _asm_4(Int32, values, "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r", side_effects=True,
-                  loc=loc, ip=ip)
+    t, c = ("b32", "r") if kind is Int32 else ("f32", "f")
+    return _asm_4(kind, values, f"ld.shared.v4.{t} {{$0,$1,$2,$3}}, [$4];", f"={c},={c},={c},={c},r",
+                  side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -255,14 +256,6 @@ def count_in(counter: Int64, expected: Int32, flag: cute.Tensor, slot: cutlass.C
         arrived = atomic_add_u32(counter, Int32(1))
         flag[slot] = Int32(arrived == expected - 1)
     cute.arch.sync_threads()
-
-
-@dsl_user_op
-def ld_shared_v4_f32(smem_addr, *, loc=None, ip=None):
-    """Four fp32 from a 16-byte aligned shared-memory address."""
-    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
-    return _asm_4(Float32, values, "ld.shared.v4.f32 {$0,$1,$2,$3}, [$4];", "=f,=f,=f,=f,r", side_effects=True,
-                  loc=loc, ip=ip)
 
 
 @dsl_user_op
