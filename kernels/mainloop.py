@@ -132,7 +132,7 @@ def decode_mma_loop(
                 operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
                 for a_m, b_m in operands:
                     c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
-                    d = ptx.mma_m16n8k16_f16_f32(a_m, b_m, c)
+                    d = ptx.mma_m16n8k16_f32(a_m, b_m, c, "float16")
                     for i in cutlass.range_constexpr(4):
                         acc[4 * mt + i] = d[i]
 

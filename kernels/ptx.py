@@ -152,11 +152,13 @@ def hfma2_imm(a, mul: int, add: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def mma_m16n8k16_f16_f32(a, b, c, *, loc=None, ip=None):
-    """``D = A @ B + C`` for one warp: A 16x16 fp16 (4 regs), B 16x8 fp16 (2 regs), C/D 16x8 fp32 (4 regs)."""
+def mma_m16n8k16_f32(a, b, c, dtype: str, *, loc=None, ip=None):
+    """``D = A @ B + C`` for one warp with fp16 or bf16 A (4 regs) and B (2 regs), fp32 C/D (4 regs)."""
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     values = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
     values += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    text = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
+            "{$10,$11,$12,$13};")
     return _asm_4(Float32, values, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effects=False, loc=loc, ip=ip)
 
 
@@ -295,17 +297,6 @@ def words_to_f32(w0, w1, dtype: str, *, loc=None, ip=None):
                 "shl.b32 t, $5, 16; mov.b32 $2, t; and.b32 t, $5, 0xffff0000; mov.b32 $3, t;}")
     values = [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1)]
     return _asm_4(Float32, values, text, "=f,=f,=f,=f,r,r", side_effects=False, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def mma_m16n8k16_f32(a, b, c, dtype: str, *, loc=None, ip=None):
-    """``D = A @ B + C`` for one warp with fp16 or bf16 A (4 regs) and B (2 regs), fp32 C/D (4 regs)."""
-    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    values = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
-    values += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
-            "{$10,$11,$12,$13};")
-    return _asm_4(Float32, values, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effects=False, loc=loc, ip=ip)
 
 
 @dsl_user_op
