@@ -39,9 +39,9 @@ STRIDE = 132  # fp32 words per shared-memory row (4 mod 32: conflict-free for bo
 SMEM_BYTES = 128 * STRIDE * 4
 
 
-def butterflies(v, lane, lane_bits):
-    """Unscaled Walsh-Hadamard over the index bits held in registers (``len(v)`` a power of two) and in the
-    given lane bits (exchanged with ``shfl.bfly``): the lane with the bit set keeps partner - self."""
+def register_butterflies(v):
+    """Unscaled Walsh-Hadamard over the index bits held in registers (``len(v)`` a power of two). Plain
+    arithmetic: the same code runs traced in the kernel and on NumPy lane arrays in the tests."""
     v = list(v)
     step = 1
     while step < len(v):
@@ -49,6 +49,13 @@ def butterflies(v, lane, lane_bits):
             for k in range(base, base + step):
                 v[k], v[k + step] = v[k] + v[k + step], v[k] - v[k + step]
         step *= 2
+    return v
+
+
+def butterflies(v, lane, lane_bits):
+    """``register_butterflies``, then the given lane bits (exchanged with ``shfl.bfly``): the lane with the bit
+    set keeps partner - self."""
+    v = register_butterflies(v)
     for bit in lane_bits:
         sign = Float32(1.0) - Float32(2.0) * Float32((lane >> bit) & 1)
         v = [cute.arch.shuffle_sync_bfly(x, 1 << bit) + sign * x for x in v]

@@ -8,7 +8,7 @@ import torch
 
 from exl3tool import sass
 from exl3tool.kernels import emulate
-from exl3tool.kernels.fold import SMEM_BYTES, STRIDE, FoldConfig
+from exl3tool.kernels.fold import SMEM_BYTES, STRIDE, FoldConfig, register_butterflies
 from exl3tool.kernels.trellis import TrellisPlan, codebook_constants, decode_lane, lane_word_indices
 from exl3tool.reference.linear import reconstruct
 from exl3tool.synthetic import random_linear
@@ -19,14 +19,9 @@ LANES = np.arange(32)
 
 
 def butterflies(v, lane_bits):
-    """NumPy mirror of fold.butterflies: v is a list of [32]-lane arrays (one per register)."""
-    v = list(v)
-    step = 1
-    while step < len(v):
-        for base in range(0, len(v), 2 * step):
-            for k in range(base, base + step):
-                v[k], v[k + step] = v[k] + v[k + step], v[k] - v[k + step]
-        step *= 2
+    """fold.butterflies on NumPy: v is a list of [32]-lane arrays (one per register); the register stages are the
+    kernel's own code, the lane exchange mirrors shfl.bfly."""
+    v = register_butterflies(v)
     for bit in lane_bits:
         sign = 1.0 - 2.0 * ((LANES >> bit) & 1)
         v = [x[LANES ^ (1 << bit)] + sign * x for x in v]
