@@ -177,6 +177,13 @@ def st_shared_b32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_shared_v4(smem_addr, words, *, loc=None, ip=None) -> None:
+    """Store four 32-bit words to a 16-byte aligned shared address."""
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+    _asm_void(values, "st.shared.v4.b32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ld_shared_v4(smem_addr, kind=Int32, *, loc=None, ip=None):
     """Four 32-bit values from a 16-byte aligned shared address: Int32 words or Float32."""
     values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
