@@ -23,11 +23,10 @@ import cutlass
 from cuda.bindings import driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .rotate import DTYPES, reduce_rotate_store
-from .mainloop import CHUNK_UNROLL, decode_mma_loop  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
+from .mainloop import CHUNK_UNROLL, acc_groups, allocate_smem, decode_mma_loop  # noqa: F401 (the SASS tests)
 from .trellis import X_ORDERS, TrellisPlan
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
@@ -48,11 +47,19 @@ class GemmConfig:
     # X's column order: "rows" (x as is) or "fragments" (trellis.x_fragment_slot: each lane's B words of a k-tile
     # pair side by side, one 16-byte shared load instead of four 32-bit ones).
     x_order: str = "rows"
+    # Tile columns each warp multiplies: 1 = its own decoded tile, by all the CTA's tokens (private decode); 2, 4
+    # or 8 = decoded tiles shared through shared memory, each warp taking warp_cols columns and token_groups /
+    # warp_cols of the token groups (mainloop: shared decode, up to 16 token groups).
+    warp_cols: int = 1
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
-        if self.token_groups not in (1, 2, 4, 8):
-            raise ValueError("token_groups must be 1, 2, 4 or 8")
+        if self.token_groups not in (1, 2, 4, 8, 16) or (self.token_groups == 16 and self.warp_cols == 1):
+            raise ValueError("token_groups must be 1, 2, 4 or 8 (16 with shared decode)")
+        if self.warp_cols not in (1, 2, 4, 8) or self.warp_cols > self.warps or self.token_groups % self.warp_cols:
+            raise ValueError("warp_cols must be 1, 2, 4 or 8, at most warps, and divide token_groups")
+        if self.warp_cols > 1 and self.split_halves:
+            raise ValueError("shared decode stores summed weights: no split_halves")
         if self.warps not in (4, 8):
             raise ValueError("warps must be 4 or 8 (out_p/16 is a multiple of 8)")
         if self.k_tiles_per_stage not in (1, 2, 4, 8):
@@ -94,8 +101,13 @@ class GemmConfig:
         return self.tokens_per_cta * self.x_row_words
 
     @property
+    def decoded_words(self) -> int:
+        """Shared decode's buffer: one stage of A fragments (32 lanes x 4 words per tile)."""
+        return self.k_tiles_per_stage * self.warps * 128 if self.warp_cols > 1 else 0
+
+    @property
     def smem_bytes(self) -> int:
-        return 4 * self.stages * (self.w_stage_words + self.x_stage_words) + 16
+        return 4 * (self.stages * (self.w_stage_words + self.x_stage_words) + self.decoded_words) + 16
 
 
 def fitting_config(**fields) -> GemmConfig:
@@ -173,26 +185,24 @@ class TrellisGemm:
         tok0 = bm * cfg.tokens_per_cta
         col_tile0 = bn * cfg.warps
 
-        smem = SmemAllocator()
-        sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
-        sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.x_stage_words), 16)
+        smem, sW, sX, sDec = allocate_smem(cfg)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
 
         acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
         acc.fill(0.0)
-        decode_mma_loop(cfg, plan, acc, sW, sX, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1], mW.shape[1],
-                        col_tile0, tok0, tokens, k_begin, n_chunks)
+        decode_mma_loop(cfg, plan, acc, sW, sX, sDec, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1],
+                        mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks)
         # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
-        col = (col_tile0 + warp) * 16 + lane // 4
         q = lane % 4
-        for mt in cutlass.range_constexpr(cfg.token_groups):
-            tok = tok0 + mt * 8 + 2 * q
+        for j, col_tile, group in acc_groups(cfg, warp):
+            col = (col_tile0 + col_tile) * 16 + lane // 4
+            tok = tok0 + group * 8 + 2 * q
             if tok < tokens:
-                mP[split, tok, col] = acc[4 * mt]
-                mP[split, tok, col + 8] = acc[4 * mt + 2]
+                mP[split, tok, col] = acc[4 * j]
+                mP[split, tok, col + 8] = acc[4 * j + 2]
             if tok + 1 < tokens:
-                mP[split, tok + 1, col] = acc[4 * mt + 1]
-                mP[split, tok + 1, col + 8] = acc[4 * mt + 3]
+                mP[split, tok + 1, col] = acc[4 * j + 1]
+                mP[split, tok + 1, col + 8] = acc[4 * j + 3]
 
         if cutlass.const_expr(cfg.output is not None):
             # Release our partials, then count this CTA in for its 128-column block of its token block.

@@ -8,6 +8,11 @@ matrix ``W int32 [k_tiles, n_col_tiles, 8K]``; the CTA owns ``cfg.tokens_per_cta
 into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32;
 with ``cfg.split_halves`` each weight's two hashed fp16 halves go to two MMAs instead (``trellis``).
 
+With ``cfg.warp_cols`` > 1 (shared decode) the decoded tiles go through shared memory instead: each warp still
+decodes its own tile column, stores the A fragments (16 bytes per lane), and after a barrier warp w multiplies
+``warp_cols`` tile columns by its share of the CTA's tokens (``acc_groups``). Each weight is then decoded once
+per ``tokens_per_cta`` tokens (up to 128) while a warp holds the accumulators of only 4*token_groups fp32.
+
 The dense GEMM passes its whole matrix; the MoE GEMM passes the base address of one expert's plane and the
 packed rows of one expert's token block. ``cfg`` is a ``gemm.GemmConfig`` (its stage sizes are the only smem
 facts). D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1): ``acc[4*mt + i]`` as in ``store``.
@@ -16,6 +21,7 @@ facts). D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1): ``a
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .trellis import (
@@ -77,6 +83,7 @@ def decode_mma_loop(
     acc: cute.Tensor,
     sW: cute.Tensor,
     sX: cute.Tensor,
+    sDec: cute.Tensor,
     gW_addr: Int64,
     gX_addr: Int64,
     x_row_words_g: Int32,
@@ -88,7 +95,8 @@ def decode_mma_loop(
     n_chunks: Int32,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
-    ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller."""
+    ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
+    which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``."""
     threads = 32 * cfg.warps
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -105,8 +113,6 @@ def decode_mma_loop(
     word_idx, shift = lane_word_indices(plan, lane)
     consts = codebook_constants(cfg.codebook, ptx)
     w_lane = warp * plan.words_per_tile
-    g = lane // 4
-    q = lane % 4
 
     for chunk in cutlass.range(n_chunks, unroll=CHUNK_UNROLL):
         cute.arch.cp_async_wait_group(cfg.stages - 2)
@@ -120,22 +126,34 @@ def decode_mma_loop(
         stage = chunk % cfg.stages
         w_stage = stage * cfg.w_stage_words + w_lane
         x_stage = stage * cfg.x_stage_words
-        b_words = {}
-        for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
-            words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
-            if cutlass.const_expr(cfg.split_halves):
-                halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
-            else:
-                a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
-            for mt in cutlass.range_constexpr(cfg.token_groups):
-                b = load_b(cfg, sX, sX_addr, x_stage + (mt * 8 + g) * cfg.x_row_words, kk, q, b_words, mt)
-                operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
-                for a_m, b_m in operands:
-                    c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
-                    d = ptx.mma_m16n8k16_f32(a_m, b_m, c, "float16")
-                    for i in cutlass.range_constexpr(4):
-                        acc[4 * mt + i] = d[i]
+        if cutlass.const_expr(cfg.warp_cols > 1):
+            shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
+                              consts, warp, lane)
+        else:
+            private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane)
 
+
+def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane):
+    """One stage: each k-tile of this warp's tile column decoded into A registers and multiplied by all the
+    CTA's token groups. Traced inline."""
+    sX_addr = sX.iterator.toint()
+    g = lane // 4
+    q = lane % 4
+    b_words = {}
+    for kk in range(cfg.k_tiles_per_stage):
+        words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+        if cutlass.const_expr(cfg.split_halves):
+            halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
+        else:
+            a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
+        for mt in range(cfg.token_groups):
+            b = load_b(cfg, sX, sX_addr, x_stage + (mt * 8 + g) * cfg.x_row_words, kk, q, b_words, mt)
+            operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
+            for a_m, b_m in operands:
+                c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
+                d = ptx.mma_m16n8k16_f32(a_m, b_m, c, "float16")
+                for i in range(4):
+                    acc[4 * mt + i] = d[i]
 
 def load_b(cfg, sX, sX_addr, row_word, kk, q, loaded, key):
     """Lane's B words of k-tile ``kk`` from its token row in the stage (``row_word``): row order, two 32-bit loads;
@@ -147,3 +165,62 @@ def load_b(cfg, sX, sX_addr, row_word, kk, q, loaded, key):
     if kk % 2 == 0:
         loaded[key] = ptx.ld_shared_v4(sX_addr + (row_word + (kk // 2) * 16 + 4 * q) * 4)
     return loaded[key][2 * (kk % 2) : 2 * (kk % 2) + 2]
+
+
+def shared_decode_mma(cfg, plan, acc, sW, sX, sDec_addr, w_stage, x_stage, word_idx, shift, consts, warp, lane):
+    """One stage with shared decode: decode this warp's tiles into ``sDec`` (A fragments, lane-major: one
+    conflict-free 16-byte store and load per lane and tile), barrier, then this warp's ``acc_groups`` MMAs.
+    The barrier at the top of the next stage keeps ``sDec`` from being overwritten while it is read. Traced
+    inline."""
+    for kk in range(cfg.k_tiles_per_stage):
+        words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+        a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
+        ptx.st_shared_v4(sDec_addr + ((kk * cfg.warps + warp) * 32 + lane) * 16, a)
+    cute.arch.sync_threads()
+    sX_addr = sX.iterator.toint()
+    col_group, token_split = divmod_warp(cfg, warp)
+    groups = cfg.token_groups // cfg.warp_cols
+    g = lane // 4
+    q = lane % 4
+    b_words = {}
+    for kk in range(cfg.k_tiles_per_stage):
+        a_frags = [ptx.ld_shared_v4(sDec_addr + ((kk * cfg.warps + col_group * cfg.warp_cols + c) * 32 + lane) * 16)
+                   for c in range(cfg.warp_cols)]
+        for n in range(groups):
+            row = x_stage + ((token_split * groups + n) * 8 + g) * cfg.x_row_words
+            b = load_b(cfg, sX, sX_addr, row, kk, q, b_words, n)
+            for c in range(cfg.warp_cols):
+                j = c * groups + n
+                d = ptx.mma_m16n8k16_f32(a_frags[c], b, [acc[4 * j + i] for i in range(4)], "float16")
+                for i in range(4):
+                    acc[4 * j + i] = d[i]
+
+
+def divmod_warp(cfg, warp):
+    """(column group, token split) of a warp in the shared-decode MMA phase: column group c multiplies tile
+    columns ``c*warp_cols ..``, token split t the token groups ``t*token_groups/warp_cols ..``."""
+    col_groups = cfg.warps // cfg.warp_cols
+    return warp % col_groups, warp // col_groups
+
+
+def acc_groups(cfg, warp):
+    """``(j, tile column, token group)`` of each accumulator group ``acc[4j .. 4j+3]`` of a warp (tile column
+    relative to the CTA's first, token group of 8 relative to its first token). Traced inline."""
+    if cutlass.const_expr(cfg.warp_cols == 1):
+        return [(mt, warp, mt) for mt in range(cfg.token_groups)]
+    col_group, token_split = divmod_warp(cfg, warp)
+    groups = cfg.token_groups // cfg.warp_cols
+    return [(c * groups + n, col_group * cfg.warp_cols + c, token_split * groups + n)
+            for c in range(cfg.warp_cols) for n in range(groups)]
+
+
+def allocate_smem(cfg):
+    """The main loop's shared memory: (sW, sX, sDec) stage buffers (sDec only with shared decode, else sW again,
+    never touched). Traced inline."""
+    smem = SmemAllocator()
+    sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
+    sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.x_stage_words), 16)
+    sDec = sW
+    if cutlass.const_expr(cfg.warp_cols > 1):
+        sDec = smem.allocate_tensor(Int32, cute.make_layout(cfg.decoded_words), 16)
+    return smem, sW, sX, sDec

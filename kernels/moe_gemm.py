@@ -19,10 +19,9 @@ import cutlass
 import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
-from cutlass.memory import SmemAllocator
 
 from .gemm import GemmConfig
-from .mainloop import decode_mma_loop
+from .mainloop import acc_groups, allocate_smem, decode_mma_loop
 from .trellis import TrellisPlan
 
 
@@ -35,6 +34,7 @@ class MoEGemmConfig:
     warps: int = 4
     k_tiles_per_stage: int = 8
     stages: int = 2
+    warp_cols: int = 1  # shared decode (mainloop) when > 1
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -44,7 +44,7 @@ class MoEGemmConfig:
     @cached_property
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
-                          k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages)
+                          k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols)
 
     @property
     def tokens_per_cta(self) -> int:
@@ -85,9 +85,7 @@ class MoEGemm:
         warp = tid // 32
         lane = tid % 32
 
-        smem = SmemAllocator()
-        sW = smem.allocate_tensor(Int32, cute.make_layout(main.stages * main.w_stage_words), 16)
-        sX = smem.allocate_tensor(Int32, cute.make_layout(main.stages * main.x_stage_words), 16)
+        _, sW, sX, sDec = allocate_smem(main)
         expert = mBlockExpert[blk]
         p = mGroupRow[cutlass.max(expert, 0)]
         if expert >= 0 and p >= 0:
@@ -106,14 +104,14 @@ class MoEGemm:
 
             acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
             acc.fill(0.0)
-            decode_mma_loop(main, self.plan, acc, sW, sX, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
-                            tok0, rows, k_begin, n_chunks)
+            decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
+                            col_tile0, tok0, rows, k_begin, n_chunks)
 
             # D rows are output columns (g, g+8), D columns are rows (2q, 2q+1); every row of the block exists.
-            col = plane * n_col_tiles * 16 + (col_tile0 + warp) * 16 + lane // 4
-            for mt in cutlass.range_constexpr(cfg.token_groups):
-                row = tok0 + mt * 8 + 2 * (lane % 4)
-                mP[split, row, col] = acc[4 * mt]
-                mP[split, row, col + 8] = acc[4 * mt + 2]
-                mP[split, row + 1, col] = acc[4 * mt + 1]
-                mP[split, row + 1, col + 8] = acc[4 * mt + 3]
+            for j, col_tile, group in acc_groups(main, warp):
+                col = plane * n_col_tiles * 16 + (col_tile0 + col_tile) * 16 + lane // 4
+                row = tok0 + group * 8 + 2 * (lane % 4)
+                mP[split, row, col] = acc[4 * j]
+                mP[split, row, col + 8] = acc[4 * j + 2]
+                mP[split, row + 1, col] = acc[4 * j + 1]
+                mP[split, row + 1, col + 8] = acc[4 * j + 3]

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from exl3tool.kernels import emulate
+from exl3tool.kernels.gemm import GemmConfig
+from exl3tool.kernels.mainloop import acc_groups
 from exl3tool.kernels.trellis import (
     CODEBOOKS,
     SUPPORTED_BITS,
@@ -131,3 +133,14 @@ def test_fragment_order_puts_each_lanes_b_words_side_by_side():
         loaded = [frag[g, (kk // 2) * 16 + 4 * q + i] for i in range(4)]
         want = (rows[g, 8 * kk + q], rows[g, 8 * kk + q + 4])
         assert all(np.array_equal(u, v) for u, v in zip(loaded[2 * (kk % 2) : 2 * (kk % 2) + 2], want)), kk
+
+
+@pytest.mark.parametrize("layout", [dict(warps=4, token_groups=8), dict(warps=8, token_groups=16, warp_cols=4),
+                                    dict(warps=8, token_groups=8, warp_cols=2), dict(warps=8, token_groups=8, warp_cols=8)])
+def test_accumulator_groups_cover_the_cta_tile_once(layout):
+    """Every (tile column, token group) of a CTA is accumulated by exactly one warp, in one register group."""
+    cfg = GemmConfig(bits=4.0, codebook="mcg", k_tiles_per_stage=4, **layout)
+    owners = [(col, group) for warp in range(cfg.warps) for _, col, group in acc_groups(cfg, warp)]
+    assert sorted(owners) == [(c, g) for c in range(cfg.warps) for g in range(cfg.token_groups)]
+    for warp in range(cfg.warps):
+        assert sorted(j for j, _, _ in acc_groups(cfg, warp)) == list(range(cfg.token_groups))

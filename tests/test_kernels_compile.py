@@ -6,7 +6,7 @@ import pytest
 
 from exl3tool.format import HALF_RATE_WORDS, Codebook
 from exl3tool.kernels.dequant import DequantConfig
-from exl3tool.kernels.gemm import GemmConfig, fitting_config
+from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import launch
@@ -88,4 +88,29 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         GemmConfig(bits=4.0, codebook="mcg", token_groups=3)
     with pytest.raises(ValueError, match="shared memory"):
         GemmConfig(bits=8.0, codebook="mcg", token_groups=8, k_tiles_per_stage=8, stages=6)
+    with pytest.raises(ValueError, match="16 with shared decode"):
+        GemmConfig(bits=4.0, codebook="mcg", token_groups=16)  # 64 accumulators + 64 B registers per lane
+    with pytest.raises(ValueError, match="warp_cols"):
+        GemmConfig(bits=4.0, codebook="mcg", token_groups=2, warps=8, warp_cols=4)
+    with pytest.raises(ValueError, match="split_halves"):
+        GemmConfig(bits=4.0, codebook="mcg", warps=8, warp_cols=2, token_groups=2, split_halves=True)
+    with pytest.raises(ValueError, match="shared memory"):  # the decoded stage counts too
+        GemmConfig(bits=4.0, codebook="mcg", token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=8)
+
+
+SHARED_DECODE = [dict(token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=4),
+                 dict(token_groups=8, warps=8, warp_cols=2, k_tiles_per_stage=4, stages=3)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", SHARED_DECODE)
+@pytest.mark.parametrize("bits,codebook", [(1.0, "mcg"), (4.0, "3inst"), (3.5, "mul1"), (8.0, "mcg")])
+def test_shared_decode_gemm_compiles(bits, codebook, layout, arch):
+    config = GemmConfig(bits=bits, codebook=codebook, x_order="fragments", **layout)
+    ptx = ptx_of(config, arch)
+    assert f".target {arch}" in ptx and config.smem_bytes <= SMEM_LIMIT_BYTES
+    # each warp: its k-tiles' A fragments stored once, then token_groups MMAs per k-tile from shared memory
+    assert ptx.count(MMA) >= config.token_groups * config.k_tiles_per_stage
+    assert ptx.count("st.shared.v4.b32") >= config.k_tiles_per_stage
+    assert ptx.count("ld.shared.v4.b32") >= config.warp_cols * config.k_tiles_per_stage
 

@@ -10,6 +10,7 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
+from exl3tool.ops.moe import gemm_config
 from exl3tool.ops.runtime import compile_with_ptx
 
 pytestmark = pytest.mark.compile
@@ -24,11 +25,12 @@ def ptx_of(config, arch="sm_120a"):
 @pytest.mark.parametrize("planes", [2, 1])
 @pytest.mark.parametrize("bits,codebook", CASES)
 def test_grouped_gemm_compiles(bits, codebook, planes):
-    for token_groups in (1, 8):
-        cfg = MoEGemmConfig(bits, codebook, planes, token_groups=token_groups)
+    for block_rows in (8, 64, 128):  # the smallest and largest private-decode blocks, the shared-decode one
+        cfg = gemm_config(bits, codebook, planes, block_rows)
         ptx = ptx_of(cfg)
-        assert ".target sm_120a" in ptx and ptx.count(MMA) >= token_groups * cfg.k_tiles_per_stage
+        assert ".target sm_120a" in ptx and ptx.count(MMA) >= cfg.token_groups * cfg.k_tiles_per_stage
         assert "cp.async.cg.shared.global" in ptx and cfg.smem_bytes <= SMEM_LIMIT_BYTES
+        assert ("st.shared.v4.b32" in ptx) == (cfg.warp_cols > 1)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -36,7 +36,11 @@ from exl3tool.ops.runtime import require_gpu, target_arch
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
-BLOCK_ROWS = (8, 16, 32, 64)  # route block = GEMM tokens per CTA, by the mean routes per expert
+BLOCK_ROWS = (8, 16, 32, 64, 128)  # route block = GEMM tokens per CTA, by the mean routes per expert
+# GEMM layout per route block beyond MoEGemmConfig's defaults (private decode, 4 warps, 8 k-tiles per stage): a
+# 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
+# H200, E=128 top-8 2048x768 K=4, M=4096, whole layer: 64-row private blocks 2140 us, 128-row shared 1805.
+GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -180,12 +184,25 @@ def _splits(ctas: int, k_tiles: int, stage: int, sm_count: int) -> int:
     return math.ceil(k_tiles / per_split)
 
 
-def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, warps: int = 4, stage: int = 8) -> StepShape:
+def block_rows_for(mean: float) -> int:
+    """Route block for ``mean`` routes per expert: at least twice the mean, so that most experts fill one block
+    instead of spilling into a second (H200, E=128 top-8 2048x768 K=4, M=256: 16-row blocks 333.5 us, 32-row
+    299.0); the largest for big batches."""
+    return next((b for b in BLOCK_ROWS if 2 * mean <= b), BLOCK_ROWS[-1])
+
+
+def gemm_config(bits: float, codebook: str, planes: int, block_rows: int) -> MoEGemmConfig:
+    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}))
+
+
+def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int) -> StepShape:
     cfg = dmoe.route
     k = cfg.routes_per_token
     routes = tokens * k
-    mean = tokens * cfg.top_k / cfg.num_experts
-    block_rows = next((b for b in BLOCK_ROWS if mean <= b), BLOCK_ROWS[-1])
+    block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts)
+    layout = GEMM_LAYOUT.get(block_rows, {})
+    warps = layout.get("warps", MoEGemmConfig.warps)
+    stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block
     blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
     i_p = max(g.intermediate_padded for g in dmoe.groups)
@@ -278,13 +295,12 @@ class MoEPlan:
         rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups), arch)
         inter = K.compiled(IntermediateConfig(s.splits13), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
-        tg = s.block_rows // 8
         for g in d.groups:
             i_p = g.intermediate_padded
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * i_p].view(rows, i_p)
-            g13 = MoEGemmConfig(g.w13_bits, g.w13_codebook, 2, token_groups=tg)
-            g2 = MoEGemmConfig(g.w2_bits, g.w2_codebook, 1, token_groups=tg)
+            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows)
+            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             step.launches += [

@@ -33,7 +33,7 @@ LIMITS = {
 }
 # Registers per thread the planner budgets for a decode GEMM CTA, by token groups: every GemmConfig compiles to
 # at most this (sm_120a, checked by tests/test_sass.py), so occupancy is known without a compile.
-GEMM_REGISTERS = {1: 64, 2: 64, 4: 96, 8: 168}
+GEMM_REGISTERS = {1: 64, 2: 64, 4: 96, 8: 168, 16: 176}  # 16: shared decode (8 warps of 4 tile columns)
 REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
 

@@ -60,6 +60,19 @@ def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, tok
     assert torch.equal(got, ref), f"seed={seed} plan={plan}"
 
 
+@pytest.mark.parametrize("layout", [dict(token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=4),
+                                    dict(token_groups=8, warps=8, warp_cols=2, k_tiles_per_stage=4, stages=3)])
+@pytest.mark.parametrize("bits,codebook", [(1.0, "mcg"), (4.0, "3inst"), (3.5, "mul1"), (8.0, "mcg")])
+def test_shared_decode_reproduces_decoded_weights(seed, bits, codebook, layout):
+    """The same one-hot check through shared decode: tiles decoded by one warp, multiplied by others."""
+    tensors, lin = device_linear(seed, 256, 384, bits, codebook)
+    xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")
+    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), **layout)
+    out = poisoned((plan.splits, xr.shape[0], lin.info.out_padded), torch.float32)
+    got = ops.trellis_gemm(xr, lin, plan, out=out).sum(0).cpu()
+    assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()), f"seed={seed} plan={plan}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_input_rotation_matches_reference(seed, dtype):
     tensors, lin = device_linear(seed, 300, 256, 4.0, "mcg")
