@@ -26,7 +26,13 @@ from cutlass import Float32, Int32, Int64
 
 from . import ptx
 from .rotate import DTYPES, reduce_rotate_store
-from .mainloop import CHUNK_UNROLL, acc_groups, allocate_smem, decode_mma_loop  # noqa: F401 (the SASS tests)
+from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
+    CHUNK_UNROLL,
+    DecodeGemmKernel,
+    acc_groups,
+    allocate_smem,
+    decode_mma_loop,
+)
 from .trellis import X_ORDERS, TrellisPlan
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
@@ -122,12 +128,7 @@ def fitting_config(**fields) -> GemmConfig:
     return GemmConfig(stages=2, **fields)
 
 
-class TrellisGemm:
-    def __init__(self, config: GemmConfig):
-        self.cfg = config
-        self.plan = TrellisPlan(config.bits)
-        self.threads = 32 * config.warps
-
+class TrellisGemm(DecodeGemmKernel):
     @cute.jit
     def __call__(
         self,

@@ -25,6 +25,7 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .trellis import (
+    TrellisPlan,
     codebook_constants,
     decode_lane,
     decode_lane_halves,
@@ -36,6 +37,16 @@ from .trellis import (
 # Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
 # (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more).
 CHUNK_UNROLL = 2
+
+
+class DecodeGemmKernel:
+    """Base of the kernels built on this main loop (dense and MoE GEMM): their config (``bits``, ``warps``, ...),
+    its trellis plan and the CTA's thread count."""
+
+    def __init__(self, config):
+        self.cfg = config
+        self.plan = TrellisPlan(config.bits)
+        self.threads = 32 * config.warps
 
 
 def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g,

@@ -21,8 +21,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from .gemm import GemmConfig
-from .mainloop import acc_groups, allocate_smem, decode_mma_loop
-from .trellis import TrellisPlan
+from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 
 
 @dataclass(frozen=True)
@@ -55,12 +54,7 @@ class MoEGemmConfig:
         return self.mainloop.smem_bytes
 
 
-class MoEGemm:
-    def __init__(self, config: MoEGemmConfig):
-        self.cfg = config
-        self.plan = TrellisPlan(config.bits)
-        self.threads = 32 * config.warps
-
+class MoEGemm(DecodeGemmKernel):
     @cute.jit
     def __call__(
         self,

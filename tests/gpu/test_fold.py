@@ -9,7 +9,7 @@ import torch
 from exl3tool.ops.fold import folded_forward, folded_weight
 from exl3tool.reference import linear_forward
 from exl3tool.reference.linear import reconstruct
-from tests.gpu.test_linear_kernels import CASES, cosine, device_linear, poisoned, rel_l2
+from tests.gpu.test_linear_kernels import CASES, cosine, device_linear, poisoned, random_case, rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -32,16 +32,11 @@ def test_folded_weight_is_the_reconstruction_rounded_once(seed, dtype):
 
 @pytest.mark.parametrize("tokens", [1, 130, 1000])
 def test_folded_forward_matches_reference(seed, tokens):
-    rng = random.Random(seed)
-    bits, codebook = rng.choice(CASES)
-    in_f, out_f = rng.randrange(64, 1200), rng.randrange(64, 1200)
-    dtype = rng.choice([torch.float16, torch.bfloat16])
-    tensors, lin = device_linear(seed, in_f, out_f, bits, codebook, bias=rng.random() < 0.5)
-    x = torch.randn(tokens, in_f, dtype=dtype, device="cuda")
+    tensors, lin, x, what = random_case(seed, tokens)
+    dtype = x.dtype
     w = folded_weight(lin, dtype)
-    got = folded_forward(x, w, lin, out=poisoned((tokens, out_f), dtype))
+    got = folded_forward(x, w, lin, out=poisoned((tokens, lin.info.out_features), dtype))
     ref = linear_forward(x, tensors)
-    what = f"seed={seed} K={bits} {codebook} {in_f}x{out_f} M={tokens} {dtype}"
     assert got.shape == ref.shape and torch.isfinite(got).all(), what
     # The GEMM paths' tolerance (tests/gpu/test_linear_kernels.py, fp32 outputs) beyond rounding y to its dtype.
     assert rel_l2(got, ref) <= 2e-3 + rel_l2(ref.to(dtype), ref), what

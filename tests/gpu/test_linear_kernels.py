@@ -1,7 +1,6 @@
 """Our CuTe DSL kernels against the fp32 torch reference, on the GPU. Outputs are NaN-poisoned before each run,
 every element is checked, inputs are fresh random data each run (seed printed)."""
 
-import math
 import random
 
 import pytest
@@ -33,6 +32,18 @@ def cosine(got, ref):
 def device_linear(seed, in_features, out_features, bits, codebook, bias=False):
     tensors = random_linear(in_features, out_features, bits, codebook, seed=seed, bias=bias)
     return tensors, ops.DeviceLinear.from_tensors(tensors, "cuda")
+
+
+def random_case(seed, tokens):
+    """A random linear (any bitrate and codebook, odd sizes, bias or not) and fresh activations of either dtype:
+    (tensors, lin, x, description)."""
+    rng = random.Random(seed)
+    bits, codebook = rng.choice(CASES)
+    in_f, out_f = rng.randrange(64, 1200), rng.randrange(64, 1200)
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    tensors, lin = device_linear(seed, in_f, out_f, bits, codebook, bias=rng.random() < 0.5)
+    x = torch.randn(tokens, in_f, dtype=dtype, device="cuda")
+    return tensors, lin, x, f"seed={seed} K={bits} {codebook} {in_f}x{out_f} M={tokens} {dtype}"
 
 
 @pytest.mark.parametrize("bits,codebook", CASES)
@@ -109,16 +120,11 @@ def test_output_rotation_matches_reference(seed, out_dtype, bias):
 @pytest.mark.parametrize("tokens", [1, 2, 7, 9, 16, 17, 33, 128, 1000])
 @pytest.mark.parametrize("path", ["gemm", "gemm-unfused", "dequant"])
 def test_linear_matches_reference_on_random_shapes(seed, tokens, path):
-    rng = random.Random(seed)
-    bits, codebook = rng.choice(CASES)
-    in_f, out_f = rng.randrange(64, 1200), rng.randrange(64, 1200)
-    dtype = rng.choice([torch.float16, torch.bfloat16])
-    tensors, lin = device_linear(seed, in_f, out_f, bits, codebook, bias=rng.random() < 0.5)
-    x = torch.randn(tokens, in_f, dtype=dtype, device="cuda")
-    got = ops.linear_forward(x, lin, out_dtype=torch.float32, path=path)
+    tensors, lin, x, what = random_case(seed, tokens)
+    got = ops.linear_forward(x, lin, out_dtype=torch.float32, path=path,
+                             out=poisoned((tokens, lin.info.out_features), torch.float32))
     ref = linear_forward(x, tensors)
-    assert got.shape == ref.shape and torch.isfinite(got).all()
-    what = f"seed={seed} K={bits} {codebook} {in_f}x{out_f} M={tokens} {dtype}"
+    assert got.shape == ref.shape and torch.isfinite(got).all(), what
     assert rel_l2(got, ref) <= 2e-3, what
     assert cosine(got, ref) >= 0.99999, what
 
