@@ -5,8 +5,17 @@ row E when there is one). CTA (c, b) computes the fp32 logits of router rows ``c
 ``b*token_tile ..`` with ``mma.sync.m16n8k16`` (router rows as A, tokens as B, fp32 accumulate); warp w takes the
 w-th eighth of the hidden dim and the eight partial tiles are summed in shared memory in warp order. Each output
 element is a fixed sequence of MMAs and adds whatever the tiles are, so a token's logits (and routes) do not
-depend on M or the rest of the batch. Inside an MMA the k slots are permuted alike in A and B: lane (g, q) loads
+depend on M or the rest of the batch. Inside an MMA the k slots are permuted alike in A and B: lane (g, q) reads
 4 consecutive columns ``4q..4q+3`` of a 16-column step of its rows with one 8-byte load.
+
+A warp's slice (its steps padded with zero steps to a multiple of 4) comes through its own ring of shared memory
+with ``cp.async``: ``MoERouteConfig.staging`` stages of 2 or 4 steps, sized so that the CTA fills the 99 KB
+(hidden 2048 at decode: the warp's whole slice in flight at once, one DRAM round trip instead of one per step).
+A stage holds each step's rows (the CTA's router rows, then its tokens) 32 bytes apiece, so the fragment reads
+of a step (rows g at 32-byte pitch, q at 8 bytes) hit distinct banks. Rows past the matrix and columns past the
+slice or the hidden dim are zero-filled; 16-byte copies, or (a second copy of the loop) 8-byte ones when
+hidden % 8 != 0 leaves rows only 8-byte aligned. The warps synchronise only among their own lanes until each
+parks its partial tile in its ring.
 
 The last CTA of token block b to finish (device-scope fence + arrival counter, ``ptx.count_in``) turns those
 tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token:
@@ -39,10 +48,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from . import ptx
+from .gemm import SMEM_LIMIT_BYTES
 
 WARPS = 8  # the hidden dim in eight slices, one per warp (fixed: it fixes the logits' summation order)
 THREADS = 32 * WARPS
-STEPS_IN_FLIGHT = 4  # 16-column steps whose loads are issued before their MMAs
+STEP_GROUP = 4  # a warp's steps are padded to a multiple of 4 with zero steps (its MMA sequence, kept as it was)
+ROW_STEP_BYTES = 32  # one router or token row over one 16-column step
+RESERVED_SMEM_BYTES = 1024  # the cubin's static shared memory (sm_90a / sm_120a), inside the 99 KB as well
 METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
 NO_ID = 0x7FFFFFFF
@@ -87,6 +99,33 @@ class MoERouteConfig:
     def packed_experts(self) -> int:
         """Experts the packing sees: the routed ones, plus the shared expert as id E."""
         return self.num_experts + (self.shared != "none")
+
+    @property
+    def staging(self) -> tuple[int, int]:
+        """(steps per stage, stages) of each warp's ring: as many steps as fit next to the small buffers, in
+        stages of 4 steps, or of 2 when that keeps more steps or 2 stages (both divide ``STEP_GROUP``)."""
+        free = SMEM_LIMIT_BYTES - RESERVED_SMEM_BYTES - self._small_smem_bytes
+        steps = free // (WARPS * self.stage_rows * ROW_STEP_BYTES)
+        size = 4 if steps >= 8 and steps % 4 < 2 else 2
+        return size, steps // size
+
+    @property
+    def stage_rows(self) -> int:
+        return self.expert_tile + self.token_tile
+
+    @property
+    def ring_bytes(self) -> int:
+        """One warp's ring (its partial tile's home after the MMAs)."""
+        size, stages = self.staging
+        return stages * size * self.stage_rows * ROW_STEP_BYTES
+
+    @property
+    def _small_smem_bytes(self) -> int:
+        return 16 + 32 + 4 * self.packed_experts  # sFlag, sScan, sCount (after the rings)
+
+    @property
+    def smem_bytes(self) -> int:
+        return WARPS * self.ring_bytes + self._small_smem_bytes
 
 
 def tiles_for(tokens: int) -> dict:
@@ -191,13 +230,16 @@ class MoERoute:
         tokens = mX.shape[0]
 
         smem = SmemAllocator()
+        sRing = smem.allocate_tensor(Float32, cute.make_layout(WARPS * cfg.ring_bytes // 4), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
         sCount = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
-        tile = self.m_tiles * self.n_tiles * 4 * 32
-        sPart = smem.allocate_tensor(Float32, cute.make_layout(WARPS * tile), 16)
 
-        self.logits(mX, mRouter, mLogits, sPart, chunk * cfg.expert_tile, tb * cfg.token_tile, warp, lane, tid)
+        e0, t0 = chunk * cfg.expert_tile, tb * cfg.token_tile
+        if mX.shape[1] % 8 == 0:  # rows 16-byte aligned (a loop of its own: no predicated-off 8-byte copies)
+            self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, lane, tid, True)
+        else:
+            self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, lane, tid, False)
 
         # --- the last CTA of this token block: top-k of its tokens ----------------------------------------
         counter = mCounters.iterator.toint() + Int64(tb) * 4
@@ -221,41 +263,67 @@ class MoERoute:
                     ptx.st_global_u32(last, Int32(0))
 
     @cute.jit
-    def logits(self, mX: cute.Tensor, mRouter: cute.Tensor, mLogits: cute.Tensor, sPart: cute.Tensor, e0: Int32,
-               t0: Int32, warp: Int32, lane: Int32, tid: Int32):
-        """``logits[t0 .., e0 ..]`` of this CTA's tile: warp w's slice of the hidden dim as MMAs, then the warps'
-        partial tiles summed in warp order."""
+    def logits(self, mX: cute.Tensor, mRouter: cute.Tensor, mLogits: cute.Tensor, sRing: cute.Tensor, e0: Int32,
+               t0: Int32, warp: Int32, lane: Int32, tid: Int32, wide: cutlass.Constexpr):
+        """``logits[t0 .., e0 ..]`` of this CTA's tile: warp w's slice of the hidden dim through its ring as MMAs,
+        then the warps' partial tiles summed in warp order. ``wide``: 16-byte copies, else 8-byte ones."""
         cfg = self.cfg
         mt_n, nt_n = self.m_tiles, self.n_tiles
+        size, stages = cfg.staging
+        rows_n = cfg.stage_rows
         hidden = mX.shape[1]
         rows = mRouter.shape[0]
         tokens = mX.shape[0]
-        g = lane // 4
-        q = lane % 4
-        # Byte addresses of this lane's A rows (g, g+8 of each m-tile) and B tokens (g of each n-tile), clamped in.
-        a_rows = [mRouter.iterator.toint() + Int64(cutlass.min(e0 + 8 * r + g, rows - 1)) * hidden * 2 + 8 * q
-                  for r in range(2 * mt_n)]
-        b_rows = [mX.iterator.toint() + Int64(cutlass.min(t0 + 8 * n + g, tokens - 1)) * hidden * 2 + 8 * q
-                  for n in range(nt_n)]
         steps = (hidden + 15) // 16
         per_warp = (steps + WARPS - 1) // WARPS
         s_begin = warp * per_warp
         s_end = cutlass.min(s_begin + per_warp, steps)
+        # the slice in whole groups of 4 steps, the copies of steps past s_end zero-filled
+        n_stages = (cutlass.max(s_end - s_begin, 0) + STEP_GROUP - 1) // STEP_GROUP * (STEP_GROUP // size)
+        col_end = cutlass.min(s_end * 16, hidden)
+        ring = sRing.iterator.toint() + warp * cfg.ring_bytes
+        slot_bytes = size * rows_n * ROW_STEP_BYTES
+
+        # Copies: lane (h, rr, jq) = (lane % 2, lane / 2 % 4, lane / 8) takes half h of step jq % size of rows
+        # rr + 4 * (jq / size) + per_copy * i; 8 lanes then write one full 128-byte bank line (4 rows x 32 bytes).
+        per_copy = 16 // size
+        copy_step = lane // 8 % size
+        row0 = lane // 2 % 4 + 4 * (lane // 8 // size)
+        lane_col = copy_step * 16 + 8 * (lane % 2)
+        dst = ring + (copy_step * rows_n + row0) * ROW_STEP_BYTES + 16 * (lane % 2)
+        row_bytes = Int64(hidden) * 2
+        sources = []  # (address of the row, clamped in; is the row real)
+        for i in cutlass.range_constexpr(rows_n // per_copy):
+            r = row0 + per_copy * i
+            if cutlass.const_expr(per_copy * i < cfg.expert_tile):
+                idx, limit, matrix = e0 + r, rows, mRouter.iterator.toint()
+            else:
+                idx, limit, matrix = t0 + r - cfg.expert_tile, tokens, mX.iterator.toint()
+            sources.append((matrix + Int64(cutlass.min(idx, limit - 1)) * row_bytes, idx < limit))
+        first_col = s_begin * 16 + lane_col
+
+        for st in cutlass.range_constexpr(stages):
+            if st < n_stages:
+                self.load_stage(sources, first_col + st * size * 16, col_end, dst + st * slot_bytes, per_copy, wide)
+            cute.arch.cp_async_commit_group()
+
+        g = lane // 4
+        frag = ring + g * ROW_STEP_BYTES + 8 * (lane % 4)  # lane (g, q): row g, columns 4q..4q+3 of each step
         acc = cute.make_rmem_tensor(cute.make_layout(mt_n * nt_n * 4), Float32)
         acc.fill(0.0)
-        for s0 in cutlass.range(s_begin, s_end, STEPS_IN_FLIGHT):
-            a_words, b_words = [], []
-            for j in cutlass.range_constexpr(STEPS_IN_FLIGHT):
-                col = (s0 + j) * 16 + 4 * q
-                ok = (s0 + j < s_end) & (col < hidden)
-                offset = Int64(cutlass.select_(ok, col, Int32(0))) * 2 - 8 * q
-                a_words.append([self.masked(ptx.ld_global_v2_b32(a + offset), ok) for a in a_rows])
-                b_words.append([self.masked(ptx.ld_global_v2_b32(b + offset), ok) for b in b_rows])
-            for j in cutlass.range_constexpr(STEPS_IN_FLIGHT):
+        for st in cutlass.range(n_stages):
+            cute.arch.cp_async_wait_group(stages - 1)
+            cute.arch.sync_warp()  # the other lanes' copies of this stage have landed
+            slot = (st % stages) * slot_bytes
+            for j in cutlass.range_constexpr(size):
+                step = frag + slot + j * rows_n * ROW_STEP_BYTES
+                a_words = [ptx.ld_shared_v2_b32(step + 8 * r * ROW_STEP_BYTES) for r in range(2 * mt_n)]
+                b_words = [ptx.ld_shared_v2_b32(step + (cfg.expert_tile + 8 * n) * ROW_STEP_BYTES)
+                           for n in range(nt_n)]
                 for mt in cutlass.range_constexpr(mt_n):
-                    lo, hi = a_words[j][2 * mt], a_words[j][2 * mt + 1]  # rows g and g+8
+                    lo, hi = a_words[2 * mt], a_words[2 * mt + 1]  # rows g and g+8
                     for nt in cutlass.range_constexpr(nt_n):
-                        b = b_words[j][nt]
+                        b = b_words[nt]
                         base = (mt * nt_n + nt) * 4
                         c = [acc[base + i] for i in range(4)]
                         if cutlass.const_expr(cfg.x_dtype == "float16"):
@@ -270,14 +338,23 @@ class MoERoute:
                             c = ptx.mma_m16n8k16_f32((lo0r, hi0r, lo1r, hi1r), b, c, "bfloat16")
                         for i in cutlass.range_constexpr(4):
                             acc[base + i] = c[i]
+            cute.arch.sync_warp()  # every lane is done with the slot before it is refilled
+            if st + stages < n_stages:
+                self.load_stage(sources, first_col + (st + stages) * size * 16, col_end, dst + slot, per_copy,
+                                wide)
+            cute.arch.cp_async_commit_group()
+
+        # Each warp's partial tile goes to its own ring (no copies are pending: every stage issued was waited for).
         tile = mt_n * nt_n * 4
+        ring_words = cfg.ring_bytes // 4
+        cute.arch.sync_warp()
         for i in cutlass.range_constexpr(tile):
-            sPart[(warp * tile + i) * 32 + lane] = acc[i]
+            sRing[warp * ring_words + i * 32 + lane] = acc[i]
         cute.arch.sync_threads()
         for idx in cutlass.range(tid, tile * 32, THREADS):
-            total = sPart[idx]
+            total = sRing[idx]
             for w in cutlass.range_constexpr(1, WARPS):
-                total = total + sPart[w * tile * 32 + idx]
+                total = total + sRing[w * ring_words + idx]
             i = idx // 32
             el = idx % 32
             c = i % 4
@@ -288,9 +365,28 @@ class MoERoute:
             if expert < rows and tok < tokens:
                 mLogits[tok, expert] = total
 
-    @staticmethod
-    def masked(words, ok):
-        return [cutlass.select_(ok, w, Int32(0)) for w in words]
+    @cute.jit
+    def load_stage(self, sources, col: Int32, col_end: Int32, dst: Int32, per_copy: cutlass.Constexpr,
+                   wide: cutlass.Constexpr):
+        """This lane's copies of one stage: columns ``col ..+8`` of each of its rows (``sources``) to ``dst`` and
+        every ``per_copy`` rows on; zero-filled past ``col_end`` (the slice or the hidden dim) and for rows that
+        are not there."""
+        if cutlass.const_expr(wide):
+            ok = col < col_end
+            offset = Int64(cutlass.select_(ok, col, Int32(0))) * 2
+            for i in cutlass.range_constexpr(len(sources)):
+                row, real = sources[i]
+                ptx.cp_async_16(dst + per_copy * i * ROW_STEP_BYTES, row + offset,
+                                cutlass.select_(real & ok, Int32(16), Int32(0)))
+        else:
+            for half in cutlass.range_constexpr(2):
+                c = col + 4 * half
+                ok = c < col_end
+                offset = Int64(cutlass.select_(ok, c, Int32(0))) * 2
+                for i in cutlass.range_constexpr(len(sources)):
+                    row, real = sources[i]
+                    ptx.cp_async_8(dst + per_copy * i * ROW_STEP_BYTES + 8 * half, row + offset,
+                                   cutlass.select_(real & ok, Int32(8), Int32(0)))
 
     @cute.jit
     def top_k(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,

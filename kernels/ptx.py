@@ -333,3 +333,19 @@ def st_global_v4_f32(gmem_addr, values, *, loc=None, ip=None) -> None:
     """Store four Float32 to a 16-byte aligned global address."""
     args = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
     _asm_void(args, "st.global.v4.f32 [$0], {$1,$2,$3,$4};", "l,f,f,f,f", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_8(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
+    """Asynchronous 8-byte global->shared copy (``.ca``: ``.cg`` takes 16 bytes only); ``src_bytes`` 0 zero-fills."""
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+              Int32(src_bytes).ir_value(loc=loc, ip=ip)]
+    _asm_void(values, "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_v2_b32(smem_addr, *, loc=None, ip=None):
+    """Two 32-bit words from an 8-byte aligned shared address."""
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Int32, values, "ld.shared.v2.b32 {$0,$1}, [$2];", "=r,=r,r", side_effects=True, count=2,
+                  loc=loc, ip=ip)

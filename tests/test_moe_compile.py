@@ -7,7 +7,7 @@ import pytest
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
-from exl3tool.kernels.moe_route import MoERouteConfig
+from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
 from exl3tool.ops.moe import gemm_config
@@ -55,6 +55,38 @@ def test_route_compiles(config):
     assert mma in ptx and "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx
     if config.method != "given":  # two redux.sync per chosen expert
         assert ptx.count("redux.sync") >= 2 * config.top_k
+    # router and activations reach the MMAs through shared memory only: 16-byte copies, 8-byte ones for the rows
+    # of a hidden size that is not a multiple of 8
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.ca.shared.global" in ptx and "ld.global.v2" not in ptx
+
+
+@pytest.mark.parametrize("experts,shared", [(16, "none"), (128, "none"), (256, "gated"), (1024, "gated")])
+def test_route_staging_fits_every_tile(experts, shared):
+    for expert_tile in (16, 32):
+        for token_tile in (8, 16, 32):
+            cfg = MoERouteConfig("softmax_topk", experts, 8, shared=shared, expert_tile=expert_tile,
+                                 token_tile=token_tile)
+            size, stages = cfg.staging
+            assert STEP_GROUP % size == 0 and stages >= 2
+            assert cfg.smem_bytes + RESERVED_SMEM_BYTES <= SMEM_LIMIT_BYTES
+            assert 4 * expert_tile * token_tile <= cfg.ring_bytes  # a warp's partial tile fits in its ring
+    if experts <= 256:  # decode tiles: a warp's whole slice of hidden 2048 in flight at once
+        size, stages = MoERouteConfig("softmax_topk", experts, 8, shared=shared).staging
+        assert size * stages >= 2048 // 16 // WARPS
+
+
+def test_route_sass_issues_every_stage_before_the_first_mma():
+    from exl3tool import sass
+
+    cfg = MoERouteConfig("softmax_topk", 128, 8)
+    (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[MoERouteConfig](cfg, o), "sm_90a"))
+    assert k.frame_bytes == 0 and k.spill_instructions == 0 and k.static_smem_bytes == RESERVED_SMEM_BYTES
+    first_mma = next(i for i, ins in enumerate(k.instructions) if ins.root == "HMMA")
+    before = k.instructions[:first_mma]
+    size, stages = cfg.staging
+    copies = (cfg.expert_tile + cfg.token_tile) * size // 16  # 16-byte copies per lane per stage
+    assert sum(i.root == "LDGSTS" and i.opcode.endswith(".128") for i in before) >= stages * copies
+    assert sum(i.root == "LDGDEPBAR" for i in before) >= stages and not any(i.root == "LDG" for i in before)
 
 
 @pytest.mark.parametrize("config", [RouteInputRotationConfig("float16", 8), RouteInputRotationConfig("bfloat16", 9),
