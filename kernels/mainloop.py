@@ -69,7 +69,7 @@ def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0
         part = i % row_chunks
         g_word = (Int64(k_tile0 + kk) * n_col_tiles + col_tile0) * words + part * 4
         s_word = stage * cfg.w_stage_words + kk * cfg.w_row_words + part * 4
-        ptx.cp_async_16(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
+        ptx.cp_async(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
 
     row_chunks = 2 * cfg.k_tiles_per_stage
     total = cfg.tokens_per_cta * row_chunks
@@ -84,7 +84,7 @@ def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0
         g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_tile0 * 8 + part * 4
         s_word = stage * cfg.x_stage_words + row * cfg.x_row_words + part * 4
         # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
-        ptx.cp_async_16(sX_addr + s_word * 4, gX_addr + g_word * 4, cutlass.select_(valid, Int32(16), Int32(0)))
+        ptx.cp_async(sX_addr + s_word * 4, gX_addr + g_word * 4, cutlass.select_(valid, Int32(16), Int32(0)))
 
 
 @cute.jit

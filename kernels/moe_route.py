@@ -376,8 +376,8 @@ class MoERoute:
             offset = Int64(cutlass.select_(ok, col, Int32(0))) * 2
             for i in cutlass.range_constexpr(len(sources)):
                 row, real = sources[i]
-                ptx.cp_async_16(dst + per_copy * i * ROW_STEP_BYTES, row + offset,
-                                cutlass.select_(real & ok, Int32(16), Int32(0)))
+                ptx.cp_async(dst + per_copy * i * ROW_STEP_BYTES, row + offset,
+                             cutlass.select_(real & ok, Int32(16), Int32(0)))
         else:
             for half in cutlass.range_constexpr(2):
                 c = col + 4 * half
@@ -385,8 +385,8 @@ class MoERoute:
                 offset = Int64(cutlass.select_(ok, c, Int32(0))) * 2
                 for i in cutlass.range_constexpr(len(sources)):
                     row, real = sources[i]
-                    ptx.cp_async_8(dst + per_copy * i * ROW_STEP_BYTES + 8 * half, row + offset,
-                                   cutlass.select_(real & ok, Int32(8), Int32(0)))
+                    ptx.cp_async(dst + per_copy * i * ROW_STEP_BYTES + 8 * half, row + offset,
+                                 cutlass.select_(real & ok, Int32(8), Int32(0)), 8)
 
     @cute.jit
     def top_k(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,

@@ -163,11 +163,13 @@ def mma_m16n8k16_f32(a, b, c, dtype: str, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
-    """Asynchronous 16-byte global->shared copy; ``src_bytes`` < 16 zero-fills the rest (0 = all zeros)."""
+def cp_async(smem_addr, gmem_addr, src_bytes, size: int = 16, *, loc=None, ip=None) -> None:
+    """Asynchronous global->shared copy of ``size`` bytes (16: ``.cg``, L2 only; 8 or 4: ``.ca``, which ``.cg``
+    does not take); ``src_bytes`` < size zero-fills the rest (0 = all zeros)."""
+    cache = "cg" if size == 16 else "ca"
     values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
               Int32(src_bytes).ir_value(loc=loc, ip=ip)]
-    _asm_void(values, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", loc=loc, ip=ip)
+    _asm_void(values, f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;", "r,l,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -333,14 +335,6 @@ def st_global_v4_f32(gmem_addr, values, *, loc=None, ip=None) -> None:
     """Store four Float32 to a 16-byte aligned global address."""
     args = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
     _asm_void(args, "st.global.v4.f32 [$0], {$1,$2,$3,$4};", "l,f,f,f,f", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def cp_async_8(smem_addr, gmem_addr, src_bytes, *, loc=None, ip=None) -> None:
-    """Asynchronous 8-byte global->shared copy (``.ca``: ``.cg`` takes 16 bytes only); ``src_bytes`` 0 zero-fills."""
-    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-              Int32(src_bytes).ir_value(loc=loc, ip=ip)]
-    _asm_void(values, "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r", loc=loc, ip=ip)
 
 
 @dsl_user_op
