@@ -73,7 +73,7 @@ def load4(tensor, row, col, dtype: str = "float16"):
 def store4(addr, values, dtype: str):
     """Four Float32 to consecutive fp16/bf16 (one 8-byte store) or fp32 (one 16-byte store) at ``addr``."""
     if dtype == "float32":
-        ptx.st_global_v4_f32(addr, values)
+        ptx.st_global_v4(addr, values, Float32)
     else:
         ptx.st_global_v2_b32(addr, ptx.pack_f32x2(values[0], values[1], dtype),
                              ptx.pack_f32x2(values[2], values[3], dtype))

@@ -195,10 +195,11 @@ def ld_shared_v4(smem_addr, kind=Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_global_v4(gmem_addr, words, *, loc=None, ip=None) -> None:
-    """Store four 32-bit words to a 16-byte aligned global address."""
-    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
-    _asm_void(values, "st.global.v4.b32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r", loc=loc, ip=ip)
+def st_global_v4(gmem_addr, values, kind=Int32, *, loc=None, ip=None) -> None:
+    """Store four 32-bit values to a 16-byte aligned global address: Int32 words or Float32."""
+    t, c = ("b32", "r") if kind is Int32 else ("f32", "f")
+    args = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [kind(v).ir_value(loc=loc, ip=ip) for v in values]
+    _asm_void(args, f"st.global.v4.{t} [$0], {{$1,$2,$3,$4}};", f"l,{c},{c},{c},{c}", loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -328,13 +329,6 @@ def order_key(v, *, loc=None, ip=None) -> Int32:
     text = "{.reg .b32 b, s; mov.b32 b, $1; shr.s32 s, b, 31; or.b32 s, s, 0x80000000; xor.b32 $0, b, s;}"
     return Int32(llvm.inline_asm(T.i32(), [Float32(v).ir_value(loc=loc, ip=ip)], text, "=r,f",
                                  has_side_effects=False, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def st_global_v4_f32(gmem_addr, values, *, loc=None, ip=None) -> None:
-    """Store four Float32 to a 16-byte aligned global address."""
-    args = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
-    _asm_void(args, "st.global.v4.f32 [$0], {$1,$2,$3,$4};", "l,f,f,f,f", loc=loc, ip=ip)
 
 
 @dsl_user_op
