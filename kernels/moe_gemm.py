@@ -34,7 +34,6 @@ class MoEGemmConfig:
     k_tiles_per_stage: int = 8
     stages: int = 2
     warp_cols: int = 1  # shared decode (mainloop) when > 1
-    split_halves: bool = False  # mcg/3inst, one token group: each weight's two fp16 halves to two MMAs (trellis)
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -44,8 +43,7 @@ class MoEGemmConfig:
     @cached_property
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
-                          k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
-                          split_halves=self.split_halves)
+                          k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols)
 
     @property
     def tokens_per_cta(self) -> int:

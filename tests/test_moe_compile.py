@@ -38,19 +38,6 @@ def test_grouped_gemm_other_archs(arch):
     assert MMA in ptx_of(MoEGemmConfig(4.0, "mcg", 2, token_groups=2), arch)
 
 
-@pytest.mark.parametrize("codebook", CODEBOOKS)
-def test_grouped_gemm_split_halves(codebook):
-    """On sm_90 one-group route blocks of mcg/3inst feed each weight's two halves to two MMAs (the dense M <= 8
-    rule): twice the MMAs of the summed config; never on sm_120a, with mul1 or with more token groups."""
-    split = gemm_config(4.0, codebook, 2, 8, "sm_90a")
-    assert split.split_halves == (codebook != "mul1")
-    assert not gemm_config(4.0, codebook, 2, 8, "sm_120a").split_halves
-    assert not gemm_config(4.0, codebook, 2, 16, "sm_90a").split_halves
-    if split.split_halves:
-        summed = ptx_of(MoEGemmConfig(4.0, codebook, 2), "sm_90a")
-        assert ptx_of(split, "sm_90a").count(MMA) == 2 * summed.count(MMA)
-
-
 @pytest.mark.parametrize("config", [
     MoERouteConfig("softmax_topk", 128, 8),
     MoERouteConfig("softmax_topk", 128, 8, expert_tile=32, token_tile=32),

@@ -33,7 +33,6 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import split_halves
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
@@ -195,10 +194,8 @@ def block_rows_for(mean: float) -> int:
     return next((b for b in BLOCK_ROWS[:-1] if 2 * mean <= b), BLOCK_ROWS[-2])
 
 
-def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, arch: str = "sm_120a") -> MoEGemmConfig:
-    """The grouped GEMM for a route block; one-group blocks split halves where the dense M <= 8 GEMM does."""
-    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8,
-                         split_halves=split_halves(arch, codebook, block_rows // 8), **GEMM_LAYOUT.get(block_rows, {}))
+def gemm_config(bits: float, codebook: str, planes: int, block_rows: int) -> MoEGemmConfig:
+    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}))
 
 
 def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int) -> StepShape:
@@ -306,8 +303,8 @@ class MoEPlan:
             i_p = g.intermediate_padded
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * i_p].view(rows, i_p)
-            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, arch)
-            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, arch)
+            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows)
+            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             step.launches += [
