@@ -147,6 +147,14 @@ def ld_cg_s32(gmem_addr, *, loc=None, ip=None) -> Int32:
                                  "=r,l", has_side_effects=True, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def atomic_add_shared_u32(smem_addr, value, *, loc=None, ip=None) -> Int32:
+    """``old = *addr; *addr += value`` atomically on a shared-memory word; returns old."""
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), values, "atom.shared.add.u32 $0, [$1], $2;", "=r,r,r", has_side_effects=True,
+                                 loc=loc, ip=ip))
+
+
 def _better(v, i, ov, oi):
     """Does candidate (ov, oi) beat (v, i)? Higher value, ties to the lower index."""
     return (ov > v) | ((ov == v) & (oi < i))
@@ -235,6 +243,13 @@ class MoERoute:
         sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
         sCount = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
 
+        # The whole batch in one token block (every M <= token_tile; tiles_for: every M <= 32): its top-k CTA is
+        # the last one, and counts the routes per expert in shared memory (zeroed here, ordered before the top-k
+        # by count_in's barrier), then packs straight from those counts.
+        single = n_tb == 1
+        for e in cutlass.range(tid, cfg.packed_experts, THREADS):
+            sCount[e] = Int32(0)
+
         e0, t0 = chunk * cfg.expert_tile, tb * cfg.token_tile
         if mX.shape[1] % 8 == 0:  # rows 16-byte aligned (a loop of its own: no predicated-off 8-byte copies)
             self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, lane, tid, True)
@@ -249,18 +264,24 @@ class MoERoute:
             for t in cutlass.range(warp, cfg.token_tile, WARPS):
                 tok = tb * cfg.token_tile + t
                 if tok < tokens:
-                    self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, tok, lane)
+                    self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single, tok,
+                               lane)
             if tid == 0:
                 ptx.st_global_u32(counter, Int32(0))
-            # --- the last token block: pack the routes ----------------------------------------------------
-            last = mCounters.iterator.toint() + Int64(n_tb) * 4
-            ptx.count_in(last, n_tb, sFlag, 1, tid)
-            if sFlag[1] != 0:
-                ptx.fence_gpu()
+            if single:
+                cute.arch.sync_threads()  # every route counted in sCount
                 self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
-                          tid)
-                if tid == 0:
-                    ptx.st_global_u32(last, Int32(0))
+                          tid, True)
+            else:
+                # --- the last token block: pack the routes counted in mCounts ----------------------------------
+                last = mCounters.iterator.toint() + Int64(n_tb) * 4
+                ptx.count_in(last, n_tb, sFlag, 1, tid)
+                if sFlag[1] != 0:
+                    ptx.fence_gpu()
+                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag,
+                              sScan, tid, False)
+                    if tid == 0:
+                        ptx.st_global_u32(last, Int32(0))
 
     @cute.jit
     def logits(self, mX: cute.Tensor, mRouter: cute.Tensor, mLogits: cute.Tensor, sRing: cute.Tensor, e0: Int32,
@@ -390,8 +411,10 @@ class MoERoute:
 
     @cute.jit
     def top_k(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
-              mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounts: cute.Tensor, tok: Int32, lane: Int32):
-        """One warp: token ``tok``'s routes (every loop here is unrolled at compile time)."""
+              mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounts: cute.Tensor, sCount: cute.Tensor,
+              single, tok: Int32, lane: Int32):
+        """One warp: token ``tok``'s routes (every loop here is unrolled at compile time); ranks from the counts in
+        shared memory when ``single`` (one token block), else from the global ones."""
         cfg = self.cfg
         n, k = cfg.num_experts, cfg.top_k
         row = mLogits.iterator.toint() + Int64(tok) * mLogits.shape[1] * 4
@@ -445,7 +468,12 @@ class MoERoute:
             if lane == j:
                 mIds[tok, j] = ids[j]
                 mW[tok, j] = weights[j]
-                mRank[tok * routes + j] = ptx.atomic_add_u32(mCounts.iterator.toint() + Int64(ids[j]) * 4, Int32(1))
+                rank = Int32(0)
+                if single:
+                    rank = atomic_add_shared_u32(sCount.iterator.toint() + ids[j] * 4, Int32(1))
+                else:
+                    rank = ptx.atomic_add_u32(mCounts.iterator.toint() + Int64(ids[j]) * 4, Int32(1))
+                mRank[tok * routes + j] = rank
         if cutlass.const_expr(cfg.shared != "none"):
             gate = Float32(1.0)
             if cutlass.const_expr(cfg.shared == "gated"):
@@ -491,8 +519,9 @@ class MoERoute:
     @cute.jit
     def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
              tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
-             tid: Int32):
-        """One CTA: each expert's rows padded to ``block_rows``, in expert order; counts zeroed for the next launch."""
+             tid: Int32, local: cutlass.Constexpr):
+        """One CTA: each expert's rows padded to ``block_rows``, in expert order. The counts come from ``sCount``
+        when ``local`` (counted there by this CTA), else from ``mCounts``, zeroed for the next launch."""
         cfg = self.cfg
         experts = cfg.packed_experts
         counts = mCounts.iterator.toint()
@@ -504,8 +533,11 @@ class MoERoute:
         for e in range(first, last):
             count = Int32(tokens)  # the shared expert (id E) takes every token
             if e < cfg.num_experts:
-                count = ld_cg_s32(counts + Int64(e) * 4)
-                ptx.st_global_u32(counts + Int64(e) * 4, Int32(0))
+                if cutlass.const_expr(local):
+                    count = sCount[e]
+                else:
+                    count = ld_cg_s32(counts + Int64(e) * 4)
+                    ptx.st_global_u32(counts + Int64(e) * 4, Int32(0))
             sCount[e] = count
             rows = rows + (count + block_rows - 1) // block_rows * block_rows
         lane = tid % 32

@@ -227,3 +227,29 @@ def test_each_token_is_independent_of_the_batch(synthetic):
     for t in (0, 3):  # alone (another M: other route tiles and split-K): same routes, same output up to rounding
         assert rel(moe_forward(x[t: t + 1].contiguous(), plan), y[t: t + 1]) < 1e-3
         assert torch.equal(routes(plan, 1)[0], ids[t: t + 1])
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
+def test_route_packing_one_token_block_or_several(synthetic, name):
+    """Around the route kernel's one-token-block path (counts in shared memory, M <= 32): every route has its own
+    rank inside its expert, the experts' first rows are the prefix sums of their padded counts, the counters and
+    counts are back at zero after each call, and a token's logits are the same whatever the batch."""
+    plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 64)
+    cfg = plan.dmoe.route
+    k, e_r, e_p = cfg.routes_per_token, cfg.router_rows, cfg.packed_experts
+    x = (torch.randn(64, plan.dmoe.hidden, device="cuda") * 0.1).to(plan.x_dtype)
+    logits = {}
+    for m in (1, 8, 9, 16, 17, 32, 33, 64):
+        poison(plan)
+        moe_forward(x[:m].contiguous(), plan)
+        assert not plan.counters.any() and not plan.counts.any(), m
+        ids, rank = routes(plan, m)[0].long().view(-1), plan.rank[: m * k].long()
+        count = torch.bincount(ids, minlength=e_p)
+        for e in range(e_p):
+            assert torch.equal(rank[ids == e].sort().values, torch.arange(count[e].item(), device="cuda")), (m, e)
+        t = plan.step(m, False).shape.block_rows
+        padded = (count + t - 1) // t * t
+        assert torch.equal(plan.expert_row.long(), padded.cumsum(0) - padded), m
+        logits[m] = plan.logits[: m * e_r].view(m, e_r).clone()
+    for m, got in logits.items():
+        assert torch.equal(got.view(torch.int32), logits[64][:m].view(torch.int32)), m
