@@ -25,7 +25,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .rotate import DTYPES, reduce_rotate_store
+from .rotate import DTYPES, reduce_rotate_store, rotate_into_shared
 from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
     CHUNK_UNROLL,
     DecodeGemmKernel,
@@ -57,6 +57,11 @@ class GemmConfig:
     # or 8 = decoded tiles shared through shared memory, each warp taking warp_cols columns and token_groups /
     # warp_cols of the token groups (mainloop: shared decode, up to 16 token groups).
     warp_cols: int = 1
+    # M = 1 only: the GEMM rotates its own input (x's dtype, "float16" or "bfloat16"): each CTA rotates its K
+    # split's blocks of x into shared memory while its first weight stages load, and every MMA reads B from there
+    # (no input-rotation launch). ``resident_k_tiles`` sizes that buffer: the plan's k-tiles per split.
+    input: str | None = None
+    resident_k_tiles: int = 0
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -78,6 +83,11 @@ class GemmConfig:
             raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
         if self.x_order == "fragments" and (self.split_halves or self.k_tiles_per_stage < 2):
             raise ValueError("x_order='fragments' reads k-tile pairs (k_tiles_per_stage >= 2), without split_halves")
+        if self.input is not None and (self.input not in ("float16", "bfloat16") or self.token_groups != 1
+                                       or self.k_tiles_per_stage != 8 or self.resident_k_tiles % 8
+                                       or self.resident_k_tiles <= 0):
+            raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
+                             "positive multiple of 8")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         if self.smem_bytes > SMEM_LIMIT_BYTES:
@@ -104,7 +114,12 @@ class GemmConfig:
 
     @property
     def x_stage_words(self) -> int:
-        return self.tokens_per_cta * self.x_row_words
+        return 0 if self.input else self.tokens_per_cta * self.x_row_words
+
+    @property
+    def x_smem_words(self) -> int:
+        """X in shared memory: the stage ring, or with ``input`` the one resident row of the K split."""
+        return 8 * self.resident_k_tiles if self.input else self.stages * self.x_stage_words
 
     @property
     def decoded_words(self) -> int:
@@ -113,7 +128,7 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * (self.stages * (self.w_stage_words + self.x_stage_words) + self.decoded_words) + 16
+        return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16
 
 
 def fitting_config(**fields) -> GemmConfig:
@@ -140,13 +155,17 @@ class TrellisGemm(DecodeGemmKernel):
         mBias,
         mY,
         mCounter,
+        mSuh,
         stream: cuda.CUstream,
     ):
         """mX int32 ``(M, in_p/2)``, mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32 ``(splits, M, out_p)``.
 
         The fused epilogue (``output`` set) also takes mSvh/mBias fp16 ``(out_p,)`` (mBias None without a bias),
         mY ``(M, out_true)`` and mCounter int32 ``(ceil(M/tokens_per_cta) * out_p/128,)``; without it all four
-        are None."""
+        are None. With ``input`` mX is x itself ``(1, in_true)`` (fp16/bf16, rows may be strided) and mSuh fp16
+        ``(in_p,)``; else mSuh is None."""
+        if cutlass.const_expr(mSuh is None):
+            mSuh = mP  # never touched: no prologue
         if cutlass.const_expr(self.cfg.output is None):
             mSvh, mBias, mY, mCounter = mP, mP, mP, mP  # never touched: the epilogue is compiled out
         elif cutlass.const_expr(mBias is None):
@@ -156,7 +175,7 @@ class TrellisGemm(DecodeGemmKernel):
             (mX.shape[0] + self.cfg.tokens_per_cta - 1) // self.cfg.tokens_per_cta,
             mP.shape[0],
         )
-        self.kernel(mX, mW, mP, k_tiles_per_split, mSvh, mBias, mY, mCounter).launch(
+        self.kernel(mX, mW, mP, k_tiles_per_split, mSvh, mBias, mY, mCounter, mSuh).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream
         )
 
@@ -171,6 +190,7 @@ class TrellisGemm(DecodeGemmKernel):
         mBias: cute.Tensor,
         mY: cute.Tensor,
         mCounter: cute.Tensor,
+        mSuh: cute.Tensor,
     ):
         cfg, plan = self.cfg, self.plan
         tid, _, _ = cute.arch.thread_idx()
@@ -191,8 +211,13 @@ class TrellisGemm(DecodeGemmKernel):
 
         acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
         acc.fill(0.0)
+        prologue = None
+        if cutlass.const_expr(cfg.input is not None):
+            def prologue(sX):  # noqa: E306 (the K split's x blocks, rotated, into the resident row)
+                rotate_into_shared(mX, mSuh, sX, k_begin, n_chunks * cfg.k_tiles_per_stage // 8,
+                                   -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.x_order, warp, cfg.warps, lane)
         decode_mma_loop(cfg, plan, acc, sW, sX, sDec, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1],
-                        mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks)
+                        mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks, prologue)
         # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
         q = lane % 4
         for j, col_tile, group in acc_groups(cfg, warp):

@@ -13,6 +13,9 @@ decodes its own tile column, stores the A fragments (16 bytes per lane), and aft
 ``warp_cols`` tile columns by its share of the CTA's tokens (``acc_groups``). Each weight is then decoded once
 per ``tokens_per_cta`` tokens (up to 128) while a warp holds the accumulators of only 4*token_groups fp32.
 
+With ``cfg.input`` (M = 1) X is not staged: the caller's ``prologue(sX)`` writes the CTA's whole K range of the
+one token into shared memory (the dense GEMM rotates x there) while the first weight stages load.
+
 The dense GEMM passes its whole matrix; the MoE GEMM passes the base address of one expert's plane and the
 packed rows of one expert's token block. ``cfg`` is a ``gemm.GemmConfig`` (its stage sizes are the only smem
 facts). D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1): ``acc[4*mt + i]`` as in ``store``.
@@ -71,6 +74,8 @@ def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0
         s_word = stage * cfg.w_stage_words + kk * cfg.w_row_words + part * 4
         ptx.cp_async(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
 
+    if cutlass.const_expr(cfg.input is not None):
+        return  # X is resident (the prologue rotated it into shared memory)
     row_chunks = 2 * cfg.k_tiles_per_stage
     total = cfg.tokens_per_cta * row_chunks
     for it in range((total + threads - 1) // threads):
@@ -104,6 +109,7 @@ def decode_mma_loop(
     tokens: Int32,
     k_begin: Int32,
     n_chunks: Int32,
+    prologue: cutlass.Constexpr = None,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
@@ -120,6 +126,8 @@ def decode_mma_loop(
             load_stage(cfg, plan, threads, addrs, st, st, k_begin, col_tile0, tok0, tokens, x_row_words_g,
                        n_col_tiles, tid)
         cute.arch.cp_async_commit_group()
+    if cutlass.const_expr(prologue is not None):
+        prologue(sX)  # while the first stages load; the main loop's first barrier publishes what it wrote
 
     word_idx, shift = lane_word_indices(plan, lane)
     consts = codebook_constants(cfg.codebook, ptx)
@@ -137,6 +145,8 @@ def decode_mma_loop(
         stage = chunk % cfg.stages
         w_stage = stage * cfg.w_stage_words + w_lane
         x_stage = stage * cfg.x_stage_words
+        if cutlass.const_expr(cfg.input is not None):
+            x_stage = chunk * (8 * cfg.k_tiles_per_stage)  # the resident row's words of this chunk
         if cutlass.const_expr(cfg.warp_cols > 1):
             shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
                               consts, warp, lane)
@@ -158,7 +168,8 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
         else:
             a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
         for mt in range(cfg.token_groups):
-            b = load_b(cfg, sX, sX_addr, x_stage + (mt * 8 + g) * cfg.x_row_words, kk, q, b_words, mt)
+            row = 0 if cfg.input is not None else (mt * 8 + g) * cfg.x_row_words  # resident: the one token
+            b = load_b(cfg, sX, sX_addr, x_stage + row, kk, q, b_words, mt)
             operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
             for a_m, b_m in operands:
                 c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
@@ -230,7 +241,7 @@ def allocate_smem(cfg):
     never touched). Traced inline."""
     smem = SmemAllocator()
     sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
-    sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.x_stage_words), 16)
+    sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 16)
     sDec = sW
     if cutlass.const_expr(cfg.warp_cols > 1):
         sDec = smem.allocate_tensor(Int32, cute.make_layout(cfg.decoded_words), 16)

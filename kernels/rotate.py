@@ -37,6 +37,46 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
+def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32):
+    """``x[row, col0 .. col0+3] * suh`` as 4 Float32, columns past x's width zero: a lane's share of one 128-block
+    of an input rotation before its butterflies. Traced inline."""
+    width = mX.shape[1]
+    v = []
+    for i in range(4):
+        col = col0 + i
+        x = Float32(mX[row, cutlass.min(col, width - 1)]) * Float32(mSuh[col])
+        v.append(cutlass.select_(col < width, x, Float32(0.0)))
+    return v
+
+
+def rotated_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, lane: Int32):
+    """One warp's 128-block of ``H128(x[row] * suh)``: this lane's elements ``col0 .. col0+3`` (``4*lane ..`` of
+    the block). The arithmetic of every input rotation, written once; traced inline."""
+    return hadamard128(scaled_quad(mX, mSuh, row, col0), lane)
+
+
+@cute.jit
+def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_begin: Int32, n_blocks: Int32,
+                       rounds: cutlass.Constexpr, x_order: cutlass.Constexpr, warp: Int32,
+                       warps: cutlass.Constexpr, lane: Int32):
+    """A decode GEMM's prologue at M = 1: ``sX`` (fp16 pairs) = the rotated row 0 of x over the 128-blocks
+    ``k_begin*16 + 128*b``, b < ``n_blocks`` (at most ``rounds * warps``), in the main loop's column order
+    (``trellis.x_fragment_slot`` of the element relative to the range), block b by warp ``b % warps``. Every
+    round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
+    ``InputRotation``."""
+    last = cutlass.max(n_blocks - 1, 0)
+    scaled = [scaled_quad(mX, mSuh, Int32(0), k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane)
+              for r in range(rounds)]
+    for r in cutlass.range_constexpr(rounds):
+        v = hadamard128(scaled[r], lane)
+        b = warp + r * warps
+        if b < n_blocks:
+            for h in cutlass.range_constexpr(2):
+                e = b * 128 + 4 * lane + 2 * h  # even: its pair (e, e + 1) is one word in either order
+                word = e // 2 if cutlass.const_expr(x_order == "rows") else x_fragment_slot(e) // 2
+                sX[word] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1], "float16")
+
+
 @cute.jit
 def reduce_rotate_store(
     mP: cute.Tensor,
@@ -108,13 +148,7 @@ class InputRotation:
         row = rows * ROWS_PER_CTA + tid // 32
         col0 = block * 128 + 4 * lane
         if row < mX.shape[0]:
-            v = [Float32(0.0)] * 4
-            for i in cutlass.range_constexpr(4):
-                x = Float32(0.0)
-                if col0 + i < mX.shape[1]:
-                    x = Float32(mX[row, col0 + i]) * Float32(mSuh[col0 + i])
-                v[i] = x
-            v = hadamard128(v, lane)
+            v = rotated_quad(mX, mSuh, row, col0, lane)
             for i in cutlass.range_constexpr(4):
                 col = col0 + i if cutlass.const_expr(self.cfg.x_order == "rows") else x_fragment_slot(col0 + i)
                 mXr[row, col] = cutlass.Float16(v[i])

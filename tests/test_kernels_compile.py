@@ -2,6 +2,8 @@
 for SM120 and SM90 (and a spread for SM80/SM89), and its PTX drives the tensor cores with mma.sync. (The 99 KB
 shared-memory bound is the config constructor's to enforce: see test_configs_refuse_what_the_kernel_cannot_do.)"""
 
+from dataclasses import replace
+
 import pytest
 
 from exl3tool.format import HALF_RATE_WORDS, Codebook
@@ -46,6 +48,27 @@ def test_gemm_with_fused_output_rotation_compiles(bits, codebook, token_groups, 
     # The last CTA of a block is found with a device-scope fence + atomic, and reads partials from L2.
     assert "fence.acq_rel.gpu" in ptx and "atom.global.add.u32" in ptx and "ld.global.cg.v4.f32" in ptx
     assert ptx.count("shfl.sync.bfly") >= 5 * 4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bits,codebook,input", [(4.0, "mcg", "float16"), (3.5, "mul1", "bfloat16"),
+                                                 (6.0, "3inst", "float16")])
+def test_gemm_rotating_its_own_input_compiles(bits, codebook, input, arch):
+    """M = 1: the input rotation is the GEMM's prologue (butterflies, packed fp16 pairs into shared memory); only
+    the weights are staged; the resident row adds 32 bytes per k-tile of the split to the CTA's shared memory."""
+    split = arch == "sm_90a" and codebook != "mul1"
+    base = GemmConfig(bits=bits, codebook=codebook, output="float16", split_halves=split,
+                      x_order="rows" if split else "fragments")
+    config = replace(base, input=input, resident_k_tiles=64)
+    ptx = ptx_of(config, arch)
+    assert MMA in ptx and ptx.count("shfl.sync.bfly") >= 2 * 5 * 4  # input and output rotations
+    assert "cvt.rn.f16x2.f32" in ptx and ptx.count("cp.async.cg.shared.global") < ptx_of(base, arch).count(
+        "cp.async.cg.shared.global")
+    assert config.smem_bytes == base.smem_bytes - 4 * base.stages * base.x_stage_words + 64 * 32
+    with pytest.raises(ValueError, match="input"):
+        replace(base, input=input, resident_k_tiles=12)
+    with pytest.raises(ValueError, match="input"):
+        replace(base, input=input, resident_k_tiles=64, token_groups=2)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])

@@ -55,6 +55,9 @@ def _vector(dtype, align: int = 2):
 def build_gemm(cfg: GemmConfig, options: str):
     m, out_p = cute.sym_int(), cute.sym_int()
     x = fake_tensor(cutlass.Int32, m, cute.sym_int())
+    suh = None
+    if cfg.input is not None:  # x itself, rotated by the GEMM's prologue
+        x, suh = _rows(DTYPES[cfg.input], m, cute.sym_int()), fake_tensor(cutlass.Float16, cute.sym_int(), align=2)
     w = fake_tensor(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
     p = fake_tensor(cutlass.Float32, cute.sym_int(), m, out_p)
     epilogue = [None] * 4
@@ -62,7 +65,7 @@ def build_gemm(cfg: GemmConfig, options: str):
         svh = fake_tensor(cutlass.Float16, out_p, align=2)
         bias = fake_tensor(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
         epilogue = [svh, bias, _rows(DTYPES[cfg.output], m, cute.sym_int()), _vector(cutlass.Int32, 4)]
-    return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, fake_stream(), options=options)
+    return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, suh, fake_stream(), options=options)
 
 
 def build_dequant(cfg: DequantConfig, options: str):
@@ -116,9 +119,17 @@ def gemm_launcher(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Ten
     """``launch()`` without a fused output rotation, ``launch(y)`` with one (svh, bias, counters given)."""
     x_words, w, p = xr.view(torch.int32), _ffi(words), _ffi(partials)
     if svh is None:
-        return lambda: fn(x_words, w, p, k_tiles_per_split, None, None, None, None)
+        return lambda: fn(x_words, w, p, k_tiles_per_split, None, None, None, None, None)
     s, b, c = _ffi(svh), _ffi(bias), _ffi(counters)
-    return lambda y: fn(x_words, w, p, k_tiles_per_split, s, b, y, c)
+    return lambda y: fn(x_words, w, p, k_tiles_per_split, s, b, y, c, None)
+
+
+def rotating_gemm_launcher(fn, suh: torch.Tensor, words: torch.Tensor, partials: torch.Tensor,
+                           k_tiles_per_split: int, svh: torch.Tensor, bias: torch.Tensor | None,
+                           counters: torch.Tensor):
+    """``launch(x, y)``: the M = 1 GEMM that rotates x itself (``GemmConfig.input``), output rotation fused."""
+    u, w, p, s, b, c = _ffi(suh), _ffi(words), _ffi(partials), _ffi(svh), _ffi(bias), _ffi(counters)
+    return lambda x, y: fn(x, w, p, k_tiles_per_split, s, b, y, c, u)
 
 
 def dequant_launcher(fn, words: torch.Tensor, out_t: torch.Tensor):

@@ -6,7 +6,7 @@
     rotate_input / trellis_gemm / rotate_output / dequantize_t   the stages, for tests and benchmarks
 
 Small M streams the trellis through the decode GEMM (split over K so every SM has work), with the output
-rotation in its own kernel or fused into the GEMM's epilogue; from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat
+rotation in its own kernel or fused into the GEMM's epilogue (and at M = 1 the input rotation in its prologue); from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat
 once and letting torch's tensor-core GEMM multiply is faster, and from ``FOLD_MIN_TOKENS`` on, decoding it with
 both rotations folded in (no rotation passes over the activations). The thresholds are H200 measurements.
 
@@ -17,7 +17,7 @@ split-K, scratch views); every later call only launches. Warm up before capturin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -100,7 +100,7 @@ def plan_gemm(
     busiest SM.
 
     ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output, split_halves) for tuning
-    runs."""
+    runs; ``input`` (M = 1) makes the GEMM rotate x itself, its resident row sized by the split found here."""
     info, codebook = lin.info, Codebook(lin.info.codebook).value
     if token_groups is None:
         token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
@@ -109,11 +109,14 @@ def plan_gemm(
     # The input rotation writes X as the main loop loads it (H200, K=4 mcg, GEMM alone: M=16 22.95 vs 23.68 us,
     # M=64 36.97 vs 42.13); split halves keeps row order (M=1: no gain from a duplicated fragment order).
     config.setdefault("x_order", "rows" if config["split_halves"] else "fragments")
+    rotated_input = config.pop("input", None)
     cfg = fitting_config(bits=float(info.bits), codebook=codebook, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)
     slots = gemm_resident_ctas(arch, cfg) * sm_count
     per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count)
+    if rotated_input is not None:
+        cfg = replace(cfg, input=rotated_input, resident_k_tiles=per_split)
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)
 
 
@@ -131,8 +134,9 @@ def choose_path(tokens: int, lin: DeviceLinear) -> str:
 class LinearPlan:
     """One (linear, M, input dtype, output dtype, path): the compiled kernels, split-K and scratch, decided once.
 
-    Calling it only launches: the input rotation, then the decode GEMM (fused output rotation or not) or the
-    dequantize + torch GEMM, then the output rotation; the output is the caller's ``out`` or a new tensor."""
+    Calling it only launches: the input rotation (unless the M = 1 GEMM does it), then the decode GEMM (fused
+    output rotation or not) or the dequantize + torch GEMM, then the output rotation; the output is the caller's
+    ``out`` or a new tensor."""
 
     def __init__(self, lin: DeviceLinear, tokens: int, in_dtype: torch.dtype, out_dtype: torch.dtype, path: str):
         if path not in PATHS:
@@ -142,7 +146,7 @@ class LinearPlan:
         self.path, self.out_dtype = path, out_dtype
         self.out_shape = (tokens, info.out_features)
         rows = ((tokens, info.in_padded), torch.float16)
-        self.gemm = self.dequant = self.rotate_out = None
+        self.gemm = self.dequant = self.rotate_in = self.rotate_out = None
         if path == "fold":
             self._plan_fold(lin, tokens, in_dtype, arch)
             return
@@ -156,8 +160,10 @@ class LinearPlan:
             self._rotate_out(lin, partials, arch)
         else:
             output = _DTYPE_NAMES[out_dtype] if path == "gemm" else None
+            # One token: the GEMM rotates x itself (one launch for the whole linear).
+            rotated_input = _DTYPE_NAMES[in_dtype] if path == "gemm" and tokens == 1 else None
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
-                                       has_bias=lin.bias is not None and output is not None)
+                                       has_bias=lin.bias is not None and output is not None, input=rotated_input)
             x_order = self.gemm_plan.config.x_order
             xr, partials = scratch.views(device, rows,
                                          ((self.gemm_plan.splits, tokens, info.out_padded), torch.float32))
@@ -168,7 +174,12 @@ class LinearPlan:
             else:
                 token_blocks = math.ceil(tokens / self.gemm_plan.config.tokens_per_cta)
                 (arrivals,) = counters.views(device, ((token_blocks * (info.out_padded // 128),), torch.int32))
-                self.gemm = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
+                if self.gemm_plan.config.input is not None:
+                    self.gemm = launch.rotating_gemm_launcher(fn, lin.suh, lin.words, partials, k_split, lin.svh,
+                                                              lin.bias, arrivals)
+                    return
+                fused = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
+                self.gemm = lambda x, y: fused(y)
         rotation = InputRotationConfig(_DTYPE_NAMES[in_dtype], "rows" if self.gemm is None else x_order)
         self.rotate_in = launch.input_rotation_launcher(launch.compiled(rotation, arch), lin.suh, xr)
 
@@ -200,7 +211,7 @@ class LinearPlan:
 
     @property
     def launches(self) -> int:
-        return {"gemm": 2, "gemm-unfused": 3, "dequant": 4, "fold": 2}[self.path]
+        return {"gemm": 1 + (self.rotate_in is not None), "gemm-unfused": 3, "dequant": 4, "fold": 2}[self.path]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = x.new_empty(self.out_shape, dtype=self.out_dtype) if out is None else out  # 2.3 us, torch.empty 3.0
@@ -208,9 +219,10 @@ class LinearPlan:
             self.fold()
             self.folded_matmul(x, y)
             return y
-        self.rotate_in(x)
+        if self.rotate_in is not None:
+            self.rotate_in(x)
         if self.path == "gemm":
-            self.gemm(y)
+            self.gemm(x, y)
             return y
         if self.path == "dequant":
             self.dequant()

@@ -142,6 +142,23 @@ def test_fused_epilogue_equals_separate_rotation_on_every_launch(seed, tokens, o
         assert torch.equal(fused, separate), f"seed={seed}"
 
 
+@pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (3.5, "mul1"), (2.0, "3inst")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemm_rotating_its_input_equals_the_rotation_kernel(seed, bits, codebook, dtype):
+    """M = 1: the GEMM whose prologue rotates x (one launch for the whole linear) gives the bits of the rotation
+    kernel + the same GEMM, for a width that is not a multiple of 128 (zero padding) and x a row inside a wider,
+    oddly offset tensor; twice into NaN-poisoned outputs (the arrival counters reset themselves)."""
+    in_f = 1000 + 8 * (seed % 7)
+    tensors, lin = device_linear(seed, in_f, 384, bits, codebook, bias=True)
+    x = torch.randn(3, in_f + 101, dtype=dtype, device="cuda")[1:2, 37 : 37 + in_f]
+    separate = ops.linear_forward(x, lin, torch.float32, path="gemm-unfused")
+    assert ops.plan_for(lin, x, torch.float32, "gemm").launches == 1
+    assert ops.plan_for(lin, x, torch.float32, "gemm").gemm_plan.splits > 1  # several CTAs rotate their range
+    for _ in range(2):
+        fused = ops.linear_forward(x, lin, torch.float32, path="gemm", out=poisoned((1, 384), torch.float32))
+        assert torch.equal(fused, separate), f"seed={seed}"
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_cuda_graph_replay_is_bit_identical(seed, tokens):
     tensors, lin = device_linear(seed, 512, 640, 3.0, "3inst", bias=True)
