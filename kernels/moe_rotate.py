@@ -11,8 +11,9 @@ Intermediate        per packed row: gate, up = split sums of the gate/up GEMM pa
                     ``g = H128(gate) * gate_svh[p]``, ``u = H128(up) * up_svh[p]``, ``h = silu(g) * u`` (zero past the
                     true intermediate size), ``X2[r] = H128(h * down_suh[p])`` (fp16)
 TopKSum             per token t: ``y[t] = sum_j w[t, j] * H128(sum_s P2[s, route_row[t, j]]) * down_svh[e]`` in fp32,
-                    slots j in order and splits in order (deterministic), then cast to y's dtype. The slots are
-                    spread over the CTA's warps and summed from shared memory in slot order.
+                    slots j in order and splits in order (deterministic), then cast to y's dtype. A CTA takes
+                    ``blocks_per_cta`` column blocks of a token; its warps share the slots (a slot's indices are
+                    loaded once for all its blocks) and the terms are summed from shared memory in slot order.
 Rows of unused blocks, padding rows (row_route -1) and rows of other groups are skipped; nothing reads them.
 """
 
@@ -117,18 +118,22 @@ class RouteInputRotation:
             x = [Float32(0.0)] * 4
             if col0 < mX.shape[1]:  # hidden is a multiple of 4: a lane's columns are all in or all out
                 x = load4(mX, tok, col0, self.cfg.x_dtype)
+            # Every slot's indices and scales are loaded before the first store: a store may alias a later
+            # load for all the compiler knows, so interleaving them would serialise the slots' round trips.
+            slots = []
             for jj in cutlass.range_constexpr(per_warp):
                 j = z * per_warp + jj
-                route = tok * k + j
-                e = Int32(-1)
-                p = Int32(-1)
-                if j < k:
-                    e = mIds[tok, j]
-                    p = mGroupRow[e]
+                jc = cutlass.min(j, k - 1)  # surplus slots (k' not a multiple of the groups) load slot k'-1
+                e = mIds[tok, jc]
+                p = cutlass.select_(j < k, mGroupRow[e], Int32(-1))
+                row = mExpertRow[e] + mRank[tok * k + jc]
+                pc = cutlass.max(p, 0)
+                slots.append((tok * k + j, p, row, load4(mGateSuh, pc, col0), load4(mUpSuh, pc, col0)))
+            for jj in cutlass.range_constexpr(per_warp):
+                route, p, row, gate_suh, up_suh = slots[jj]
                 if p >= 0:
-                    row = mExpertRow[e] + mRank[route]
                     for plane in cutlass.range_constexpr(2):
-                        suh = load4(mGateSuh if plane == 0 else mUpSuh, p, col0)
+                        suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
                         addr = mXr.iterator.toint() + ((Int64(plane) * mXr.shape[1] + row) * h_p + col0) * 2
                         store4(addr, v, "float16")
@@ -185,6 +190,7 @@ class TopKSumConfig:
     routes_per_token: int  # k, plus one for shared experts
     out_dtype: str  # "float16" | "bfloat16" | "float32"
     splits: int = 1  # K splits of the down GEMM
+    blocks_per_cta: int = 1  # 128-column blocks of a token per CTA: a slot's index loads serve all of them
 
 
 class TopKSum:
@@ -195,32 +201,39 @@ class TopKSum:
     @cute.jit
     def __call__(self, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor, mIds: cute.Tensor,
                  mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
-        grid = (mY.shape[0], mP.shape[2] // 128, 1)
+        grid = (mY.shape[0], (mP.shape[2] // 128 + self.cfg.blocks_per_cta - 1) // self.cfg.blocks_per_cta, 1)
         self.kernel(mP, mSvh, mSvhRow, mIds, mW, mRouteRow, mY).launch(
             grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor, mIds: cute.Tensor,
                mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor):
-        k = self.cfg.routes_per_token
+        k, per_cta = self.cfg.routes_per_token, self.cfg.blocks_per_cta
         tid, _, _ = cute.arch.thread_idx()
-        tok, block, _ = cute.arch.block_idx()
+        tok, group, _ = cute.arch.block_idx()
         warp = tid // 32
         lane = tid % 32
+        blocks = mP.shape[2] // 128
         smem = SmemAllocator()
-        sTerm = smem.allocate_tensor(Float32, cute.make_layout(k * 128), 16)
-        col0 = block * 128 + 4 * lane
+        sTerm = smem.allocate_tensor(Float32, cute.make_layout(per_cta * k * 128), 16)
         for j in cutlass.range(warp, k, self.warps):
+            # slot j's indices once, then every block's partial and scale loads before the first butterfly
             row = mRouteRow[tok * k + j]
-            svh = load4(mSvh, mSvhRow[mIds[tok, j]], col0)
+            svh_row = mSvhRow[mIds[tok, j]]
             weight = Float32(mW[tok, j])
-            v = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
-            for i in cutlass.range_constexpr(4):
-                sTerm[j * 128 + 4 * lane + i] = weight * (v[i] * svh[i])
+            cols = [cutlass.min(group * per_cta + b, blocks - 1) * 128 for b in range(per_cta)]
+            parts = [summed(mP, row, cols[b], lane, self.cfg.splits) for b in range(per_cta)]
+            svh = [load4(mSvh, svh_row, cols[b] + 4 * lane) for b in range(per_cta)]
+            for b in cutlass.range_constexpr(per_cta):
+                v = hadamard128(parts[b], lane)
+                for i in cutlass.range_constexpr(4):
+                    sTerm[(b * k + j) * 128 + 4 * lane + i] = weight * (v[i] * svh[b][i])
         cute.arch.sync_threads()
-        if warp == 0 and col0 < mY.shape[1]:
-            acc = [sTerm[4 * lane + i] for i in range(4)]
-            for j in cutlass.range_constexpr(1, k):
-                acc = [acc[i] + sTerm[j * 128 + 4 * lane + i] for i in range(4)]
-            size = 4 if self.cfg.out_dtype == "float32" else 2
-            store4(mY.iterator.toint() + (Int64(tok) * mY.shape[1] + col0) * size, acc, self.cfg.out_dtype)
+        for b in cutlass.range(warp, per_cta, self.warps):
+            col0 = (group * per_cta + b) * 128 + 4 * lane
+            if col0 < mY.shape[1]:
+                acc = [sTerm[b * k * 128 + 4 * lane + i] for i in range(4)]
+                for j in cutlass.range_constexpr(1, k):
+                    acc = [acc[i] + sTerm[(b * k + j) * 128 + 4 * lane + i] for i in range(4)]
+                size = 4 if self.cfg.out_dtype == "float32" else 2
+                store4(mY.iterator.toint() + (Int64(tok) * mY.shape[1] + col0) * size, acc, self.cfg.out_dtype)
