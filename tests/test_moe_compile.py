@@ -93,7 +93,8 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
 @pytest.mark.parametrize("config", [RouteInputRotationConfig("float16", 8), RouteInputRotationConfig("bfloat16", 9),
                                     RouteInputRotationConfig("float16", 8, 8), RouteInputRotationConfig("bfloat16", 9, 9),
                                     IntermediateConfig(1), IntermediateConfig(4), TopKSumConfig(8, "float16", 3),
-                                    TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16)], ids=str)
+                                    TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
+                                    TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4)], ids=str)
 def test_rotations_compile(config):
     ptx = ptx_of(config)
     assert ptx.count("shfl.sync.bfly") >= 5 * 4
@@ -111,3 +112,24 @@ def test_configs_refuse_what_the_kernels_cannot_do():
         MoERouteConfig("sigmoid_noaux_tc", 10, 2, n_group=4)
     with pytest.raises(ValueError):
         MoERouteConfig("softmax_topk", 128, 8, token_tile=64)
+
+
+def _memory_order(config, arch="sm_120a"):
+    """The kernel's global loads, stores and shuffles in SASS order, as opcodes."""
+    from exl3tool import sass
+
+    (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[type(config)](config, o), arch))
+    return [i.opcode for i in k.instructions if i.root in ("LDG", "STG", "SHFL")]
+
+
+def test_rotation_kernels_issue_their_loads_before_they_wait():
+    """Latency, not bandwidth, bounded these kernels at large M (a chain of dependent round trips per warp):
+    the input rotation loads every slot's indices and scales before its first store (a store may alias a later
+    load, so the compiler cannot hoist across it); the top-k sum with 4 column blocks per CTA has at least two
+    blocks' partials in flight before its first butterfly."""
+    ops = _memory_order(RouteInputRotationConfig("float16", 8))
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert not any(op.startswith("LDG") for op in ops[first_store:])
+    ops = _memory_order(TopKSumConfig(8, "float16", 2, blocks_per_cta=4))
+    first_shuffle = ops.index("SHFL.BFLY")
+    assert ops[:first_shuffle].count("LDG.E.128.STRONG.GPU") >= 2 * 2
