@@ -18,7 +18,8 @@ hidden % 8 != 0 leaves rows only 8-byte aligned. The warps synchronise only amon
 parks its partial tile in its ring.
 
 The last CTA of token block b to finish (device-scope fence + arrival counter, ``ptx.count_in``) turns those
-tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token:
+tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token (warp w: tokens w, w+8, .. of the
+block, their loads issued together and their selections as independent straight-line chains):
   softmax_topk      softmax over the experts, top-k, optional renormalisation, times ``scale``
   sigmoid_noaux_tc  sigmoid scores; choice = score + correction bias; with n_group > 1 only the topk_group
                     groups whose two best choices sum highest compete; weights are the scores of the chosen,
@@ -26,15 +27,18 @@ tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token:
   given             the caller's ``topk_ids / topk_weights`` as they are
 Column k (when the layer has shared experts) routes every token to "expert" E with weight sigmoid(gate logit)
 or 1. Ties go to the lower expert id. Each selection is two ``redux.sync`` (max of an order-preserving integer key,
-then min of the ids that hold it). Each route takes its rank inside its expert from a global atomic on the
-expert's count (the shared expert: the token index).
-The last token block to finish (one CTA) turns the counts into the packing: each expert's rows padded to the
-route block ``T`` (the GEMM's tokens per CTA), ``expert_row[e]`` = its first packed row, ``block_expert[b]`` = the
-expert of rows ``b*T ..`` (-1: unused) and ``row_route`` = -1 on padding rows; it zeroes the counts again. The
+then min of the ids that hold it). Lane j writes slot j and takes that route's rank inside its expert from an
+atomic on the expert's count (the shared expert: the token index): in shared memory when the whole batch is one
+token block (every M <= 32 with ``tiles_for``; that CTA is then the last one and packs from those counts at
+once), else in global memory, and the last token block to finish (a second ``count_in``) packs.
+The packing CTA turns the counts into the packing: each expert's rows padded to the route block ``T`` (the
+GEMM's tokens per CTA), ``expert_row[e]`` = its first packed row, ``block_expert[b]`` = the expert of rows
+``b*T ..`` (-1: unused) and ``row_route`` = -1 on padding rows; it zeroes the global counts again. The
 input rotation then places route ``t*k' + j`` at row ``expert_row[e] + rank`` (and writes ``row_route`` /
 ``route_row`` there). Row order inside an expert follows the atomics, which changes no result: every packed row
 is computed independently and the top-k sum reads routes in (token, slot) order. The arrival counters and the
-counts reset themselves, so the launch replays in a CUDA graph with no host work.
+global counts reset themselves (the shared ones start at zero in every CTA), so the launch replays in a CUDA
+graph with no host work.
 """
 
 from dataclasses import dataclass
@@ -261,11 +265,8 @@ class MoERoute:
         ptx.count_in(counter, n_chunks, sFlag, 0, tid)
         if sFlag[0] != 0:
             ptx.fence_gpu()
-            for t in cutlass.range(warp, cfg.token_tile, WARPS):
-                tok = tb * cfg.token_tile + t
-                if tok < tokens:
-                    self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single, tok,
-                               lane)
+            self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single,
+                       tb * cfg.token_tile + warp, tokens, lane)
             if tid == 0:
                 ptx.st_global_u32(counter, Int32(0))
             if single:
@@ -412,76 +413,94 @@ class MoERoute:
     @cute.jit
     def top_k(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
               mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounts: cute.Tensor, sCount: cute.Tensor,
-              single, tok: Int32, lane: Int32):
-        """One warp: token ``tok``'s routes (every loop here is unrolled at compile time); ranks from the counts in
-        shared memory when ``single`` (one token block), else from the global ones."""
+              single, first: Int32, tokens: Int32, lane: Int32):
+        """One warp: the routes of tokens ``first, first + 8, ..`` of the token block (every loop here is unrolled
+        at compile time). All their loads first, then each token's selection (independent chains, whose latencies
+        overlap), then the stores; lane j writes slot j and takes the route's rank inside its expert from the
+        counts in shared memory when ``single`` (one token block), else from the global ones."""
         cfg = self.cfg
         n, k = cfg.num_experts, cfg.top_k
-        row = mLogits.iterator.toint() + Int64(tok) * mLogits.shape[1] * 4
-        ids, weights = [], []
+        toks = [first + WARPS * u for u in range((cfg.token_tile + WARPS - 1) // WARPS)]
+        rows = [mLogits.iterator.toint() + Int64(cutlass.min(t, tokens - 1)) * mLogits.shape[1] * 4 for t in toks]
+        expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
+        valid = [x < n for x in expert]
+        chosen = []  # per token: (ids, weights) of its k routes, in every lane
         if cutlass.const_expr(cfg.method == "given"):
-            for j in cutlass.range_constexpr(k):
-                ids.append(mGivenIds[tok, j])
-                weights.append(Float32(mGivenW[tok, j]))
+            given = [cutlass.min(t, tokens - 1) for t in toks]
+            chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)]) for t in given]
         else:
-            expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
-            valid = [x < n for x in expert]
-            logit = [cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
-                     for i in range(self.per_lane)]
-            if cutlass.const_expr(cfg.method == "softmax_topk"):
-                m = logit[0]
-                for i in cutlass.range_constexpr(1, self.per_lane):
-                    m = cutlass.max(m, logit[i])
-                m = warp_max(m)
-                ex = [cutlass.select_(valid[i], cute.math.exp(logit[i] - m), Float32(0.0)) for i in range(self.per_lane)]
-                s = ex[0]
-                for i in cutlass.range_constexpr(1, self.per_lane):
-                    s = s + ex[i]
-                s = warp_sum(s)
-                score = [x / s for x in ex]
-                choice = list(logit)  # softmax is monotonic: select on the logits
-            else:
-                score = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit[i])) for i in range(self.per_lane)]
-                choice = []
-                for i in cutlass.range_constexpr(self.per_lane):
-                    c = score[i]
-                    if cutlass.const_expr(cfg.correction_bias):
-                        c = c + Float32(mBias[cutlass.min(expert[i], n - 1)])
-                    choice.append(cutlass.select_(valid[i], c, Float32(NEG_INF)))
-                if cutlass.const_expr(cfg.n_group > 1):
-                    choice = self.limit_groups(choice, expert)
-            for j in cutlass.range_constexpr(k):
-                v, idx, sc = lane_best(choice, expert, score)
-                _, idx, sc = warp_best(v, idx, sc)
-                ids.append(idx)
-                weights.append(sc)
-                choice = [cutlass.select_(expert[i] == idx, Float32(NEG_INF), choice[i]) for i in range(self.per_lane)]
-            if cutlass.const_expr(cfg.normalize):
-                total = weights[0]
-                for j in cutlass.range_constexpr(1, k):
-                    total = total + weights[j]
-                weights = [w / (total + Float32(1e-20)) for w in weights]
-            weights = [w * Float32(cfg.scale) for w in weights]
-        # lane j writes slot j and takes the route's rank inside its expert
+            logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
+                       for i in range(self.per_lane)] for row in rows]
+            bias = [Float32(0.0)] * self.per_lane
+            if cutlass.const_expr(cfg.correction_bias):
+                bias = [Float32(mBias[cutlass.min(expert[i], n - 1)]) for i in range(self.per_lane)]
+            chosen = [self.select(logit, expert, valid, bias) for logit in logits]
+        gates = [Float32(1.0)] * len(toks)
+        if cutlass.const_expr(cfg.shared == "gated"):
+            gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4))) for row in rows]
         routes = mIds.shape[1]
-        for j in cutlass.range_constexpr(k):
-            if lane == j:
-                mIds[tok, j] = ids[j]
-                mW[tok, j] = weights[j]
+        for u in cutlass.range_constexpr(len(toks)):
+            tok = toks[u]
+            ids, weights = chosen[u]
+            mine, w = ids[0], weights[0]
+            for j in cutlass.range_constexpr(1, k):
+                mine = cutlass.select_(lane == j, ids[j], mine)
+                w = cutlass.select_(lane == j, weights[j], w)
+            if (tok < tokens) & (lane < k):
+                mIds[tok, lane] = mine
+                mW[tok, lane] = w
                 rank = Int32(0)
                 if single:
-                    rank = atomic_add_shared_u32(sCount.iterator.toint() + ids[j] * 4, Int32(1))
+                    rank = atomic_add_shared_u32(sCount.iterator.toint() + mine * 4, Int32(1))
                 else:
-                    rank = ptx.atomic_add_u32(mCounts.iterator.toint() + Int64(ids[j]) * 4, Int32(1))
-                mRank[tok * routes + j] = rank
-        if cutlass.const_expr(cfg.shared != "none"):
-            gate = Float32(1.0)
-            if cutlass.const_expr(cfg.shared == "gated"):
-                gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4)))
-            if lane == k % 32:
-                mIds[tok, k] = Int32(n)
-                mW[tok, k] = gate
-                mRank[tok * routes + k] = tok
+                    rank = ptx.atomic_add_u32(mCounts.iterator.toint() + Int64(mine) * 4, Int32(1))
+                mRank[tok * routes + lane] = rank
+            if cutlass.const_expr(cfg.shared != "none"):
+                if (tok < tokens) & (lane == k % 32):
+                    mIds[tok, k] = Int32(n)
+                    mW[tok, k] = gates[u]
+                    mRank[tok * routes + k] = tok
+
+    def select(self, logit, expert, valid, bias):
+        """One token's (ids, weights) of its k routes, in every lane, from this lane's logits (a straight line)."""
+        cfg = self.cfg
+        k = cfg.top_k
+        if cfg.method == "softmax_topk":
+            m = logit[0]
+            for i in range(1, self.per_lane):
+                m = cutlass.max(m, logit[i])
+            m = warp_max(m)
+            ex = [cutlass.select_(valid[i], cute.math.exp(logit[i] - m), Float32(0.0)) for i in range(self.per_lane)]
+            s = ex[0]
+            for i in range(1, self.per_lane):
+                s = s + ex[i]
+            s = warp_sum(s)
+            score = [x / s for x in ex]
+            choice = list(logit)  # softmax is monotonic: select on the logits
+        else:
+            score = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit[i])) for i in range(self.per_lane)]
+            choice = []
+            for i in range(self.per_lane):
+                c = score[i]
+                if cfg.correction_bias:
+                    c = c + bias[i]
+                choice.append(cutlass.select_(valid[i], c, Float32(NEG_INF)))
+            if cfg.n_group > 1:
+                choice = self.limit_groups(choice, expert)
+        ids, weights = [], []
+        for j in range(k):
+            v, idx, sc = lane_best(choice, expert, score)
+            _, idx, sc = warp_best(v, idx, sc)
+            ids.append(idx)
+            weights.append(sc)
+            choice = [cutlass.select_(expert[i] == idx, Float32(NEG_INF), choice[i]) for i in range(self.per_lane)]
+        if cfg.normalize:
+            total = weights[0]
+            for j in range(1, k):
+                total = total + weights[j]
+            weights = [w / (total + Float32(1e-20)) for w in weights]
+        weights = [w * Float32(cfg.scale) for w in weights]
+        return ids, weights
 
     def limit_groups(self, choice, expert):
         """-inf for the experts outside the topk_group groups whose two best choices sum highest."""
