@@ -33,7 +33,9 @@ from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import gemm_resident_ctas, split_halves, split_k
 from exl3tool.ops.workspace import counters, scratch
 
-DEQUANT_MIN_TOKENS = 112  # measured crossover on the H200 (docs/perf.md)
+# Measured crossover on the H200 (docs/perf.md, 2026-12-01, L2-cold, gemm-unfused vs dequant, 4096x14336 /
+# 14336x4096 K4: M=128 72.5 vs 88.0 / 71.6 vs 92.4 us, M=160 107.1 vs 91.3 / 102.6 vs 95.5).
+DEQUANT_MIN_TOKENS = 129
 # The fused output rotation pays where few 128-column blocks make the last-CTA tail short (H200: -4..-8% at
 # M <= 4 with N <= 4096) and costs elsewhere (its tail is serial over the CTA's rows), so it is used only there,
 # and at M = 1 for any N: one row makes the tail short (4096x14336: 25.72 vs 25.74 us at K=4, 23.68 vs 23.75 at
