@@ -46,6 +46,19 @@ def decoded_rows(t, bits, codebook, bi, bj, warp):
                 rows[j % 4][2 * n + j // 4] = halves[h].astype(f32)  # fp16 values: exact
     return rows
 
+def read_pieces(smem, word, rows_cols, warp):
+    """A warp's 8 x 8 values of a phase (``word``: its 16-byte pieces' first words), each word checked against
+    the (row, column) address map ``rows_cols`` the phase claims to read."""
+    values = [[None] * 8 for _ in range(8)]
+    for a in range(8):
+        for hp in range(2):
+            w = word(warp, LANES, a, hp)
+            for e in range(4):
+                assert np.array_equal(w + e, fold.smem_word(*rows_cols(warp, LANES, a, 4 * hp + e)))
+                values[a][4 * hp + e] = smem[w + e]
+    return values
+
+
 
 def emulated_fold_block(t, bits, codebook, bi, bj):
     """W'[bi block, bj block] in fp32 exactly as the kernel computes and indexes it (before the final rounding),
@@ -63,13 +76,7 @@ def emulated_fold_block(t, bits, codebook, bi, bj):
     assert not np.isnan(smem).any()
     stored = np.zeros(128 * 128, int)
     for warp in range(8):  # E: each thread rewrites the words it read
-        x = [[None] * 8 for _ in range(8)]
-        for a in range(8):
-            for hp in range(2):
-                w = fold.e_word(warp, LANES, a, hp)
-                for e in range(4):
-                    assert np.array_equal(w + e, fold.smem_word(*fold.e_rows_cols(warp, LANES, a, 4 * hp + e)))
-                    x[a][4 * hp + e] = smem[w + e]
+        x = read_pieces(smem, fold.e_word, fold.e_rows_cols, warp)
         cq = LANES // 16 + 2 * warp
         scale = [svh[bj * 128 + 8 * cq + k] * f32(1.0 / 128.0) for k in range(8)]
         for a in range(8):
@@ -87,13 +94,7 @@ def emulated_fold_block(t, bits, codebook, bi, bj):
     assert (stored == 1).all()
     out = np.full((128, 128), np.nan, dtype=f32)
     for warp in range(8):  # F
-        y = [[None] * 8 for _ in range(8)]
-        for b in range(8):
-            for hp in range(2):
-                w = fold.f_word(warp, LANES, b, hp)
-                for e in range(4):
-                    assert np.array_equal(w + e, fold.smem_word(*fold.f_rows_cols(warp, LANES, b, 4 * hp + e)))
-                    y[b][4 * hp + e] = smem[w + e]
+        y = read_pieces(smem, fold.f_word, fold.f_rows_cols, warp)
         for k in range(8):
             col = register_butterflies([y[b][k] for b in range(8)])
             for b in range(8):
