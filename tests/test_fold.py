@@ -46,6 +46,7 @@ def decoded_rows(t, bits, codebook, bi, bj, warp):
                 rows[j % 4][2 * n + j // 4] = halves[h].astype(f32)  # fp16 values: exact
     return rows
 
+
 def read_pieces(smem, word, rows_cols, warp):
     """A warp's 8 x 8 values of a phase (``word``: its 16-byte pieces' first words), each word checked against
     the (row, column) address map ``rows_cols`` the phase claims to read."""
@@ -57,7 +58,6 @@ def read_pieces(smem, word, rows_cols, warp):
                 assert np.array_equal(w + e, fold.smem_word(*rows_cols(warp, LANES, a, 4 * hp + e)))
                 values[a][4 * hp + e] = smem[w + e]
     return values
-
 
 
 def emulated_fold_block(t, bits, codebook, bi, bj):
