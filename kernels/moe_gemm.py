@@ -8,8 +8,16 @@ its own rotated input) and 1 for down (``w2 [E, I_p/16, H_p/16, 16K]`` viewed wi
 ``warps`` tile columns never straddle the planes (N_p/16 is a multiple of 8). The main loop is the dense GEMM's
 (``mainloop.decode_mma_loop``); K splits write fp32 partials that the next kernel sums in split order.
 
+With ``intermediate_splits`` (gate/up, small route blocks) the GEMM also does the ``Intermediate`` kernel's work,
+saving its launch: every CTA counts in at its (route block, 128-column block of I) once its partials are written
+(both planes, every split: ``2 * 128/(16*warps) * splits`` arrivals, ``ptx.count_in``), and the last one sums
+the splits in order and writes X2 for the block's rows (``moe_rotate.intermediate_row``, the same code, so X2 is
+bit-identical), then resets the counter for the next launch.
+
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32
-``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``.
+``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
+intermediate also the group's rotations fp16 ``[E_g, 3*I_p]``, X2 fp16 ``[R, I_p]``, row_route int32 ``[R]``,
+counters int32 ``[blocks * I_p/128]`` (zero) and the true intermediate size.
 """
 
 from dataclasses import dataclass
@@ -21,7 +29,9 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from .gemm import GemmConfig
+from . import ptx
 from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
+from .moe_rotate import intermediate_row
 
 
 @dataclass(frozen=True)
@@ -34,10 +44,17 @@ class MoEGemmConfig:
     k_tiles_per_stage: int = 8
     stages: int = 2
     warp_cols: int = 1  # shared decode (mainloop) when > 1
+    # Gate/up only: > 0 = the GEMM finishes the intermediate itself (``moe_rotate.intermediate_row``) in the last
+    # CTA to arrive at each (route block, 128-column block), instead of an ``Intermediate`` launch; the value is
+    # the launch's K split count (a compile-time constant, like ``IntermediateConfig.splits``).
+    intermediate_splits: int = 0
 
     def __post_init__(self):
         if self.planes not in (1, 2):
             raise ValueError("planes must be 1 (w2) or 2 (w13)")
+        if self.intermediate_splits and (self.planes != 2 or self.warp_cols != 1 or self.warps > 8
+                                         or self.tokens_per_cta % self.warps):
+            raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
         self.mainloop  # validates the rest, including the shared-memory limit
 
     @cached_property
@@ -64,22 +81,32 @@ class MoEGemm(DecodeGemmKernel):
         mBlockExpert: cute.Tensor,
         mGroupRow: cute.Tensor,
         k_tiles_per_split: Int32,
+        mRot,
+        mX2,
+        mRowRoute,
+        mCounter,
+        inter_true: Int32,
         stream: cuda.CUstream,
     ):
+        """The last five arguments are None (and inter_true 0) without the fused intermediate."""
+        if cutlass.const_expr(mRot is None):
+            mRot, mX2, mRowRoute, mCounter = mP, mP, mP, mP  # never touched: the tail is compiled out
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
-        self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream)
+        self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
+                    inter_true).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,
-               mGroupRow: cute.Tensor, k_tiles_per_split: Int32):
+               mGroupRow: cute.Tensor, k_tiles_per_split: Int32, mRot: cute.Tensor, mX2: cute.Tensor,
+               mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32):
         cfg, main = self.cfg, self.cfg.mainloop
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
         warp = tid // 32
         lane = tid % 32
 
-        _, sW, sX, sDec = allocate_smem(main)
+        smem, sW, sX, sDec = allocate_smem(main)
+        sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         expert = mBlockExpert[blk]
         p = mGroupRow[cutlass.max(expert, 0)]
         if expert >= 0 and p >= 0:
@@ -109,3 +136,17 @@ class MoEGemm(DecodeGemmKernel):
                 mP[split, row, col + 8] = acc[4 * j + 2]
                 mP[split, row + 1, col] = acc[4 * j + 1]
                 mP[split, row + 1, col + 8] = acc[4 * j + 3]
+
+            if cutlass.const_expr(cfg.intermediate_splits > 0):
+                block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
+                counter = mCounter.iterator.toint() + (Int64(blk) * (n_col_tiles // 8) + block) * 4
+                ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
+                if sLast[0] != 0:
+                    ptx.fence_gpu()  # acquire: every split's and plane's partials of this block are visible
+                    for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                        row = tok0 + r * cfg.warps + warp
+                        if mRowRoute[row] >= 0:  # padding rows stay unwritten, as in Intermediate
+                            intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
+                                             cfg.intermediate_splits)
+                    if tid == 0:
+                        ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)

@@ -168,21 +168,28 @@ class Intermediate:
         row = rows * ROWS_PER_CTA + tid // 32
         route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row, block_rows)
         if route >= 0 and p >= 0:
-            inter_p = mX2.shape[1]
-            col0 = block * 128 + 4 * lane
-            gate_svh = load4(mRot, p, col0)
-            up_svh = load4(mRot, p, inter_p + col0)
-            down_suh = load4(mRot, p, 2 * inter_p + col0)
-            gate = hadamard128(summed(mP, row, block * 128, lane, self.cfg.splits), lane)
-            up = hadamard128(summed(mP, row, inter_p + block * 128, lane, self.cfg.splits), lane)
-            h = [Float32(0.0)] * 4
-            for i in cutlass.range_constexpr(4):
-                g = gate[i] * gate_svh[i]
-                u = up[i] * up_svh[i]
-                hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
-                h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
-            v = hadamard128(h, lane)
-            store4(mX2.iterator.toint() + (Int64(row) * inter_p + col0) * 2, v, "float16")
+            intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, self.cfg.splits)
+
+
+def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int):
+    """One warp, packed row ``row`` of group row ``p``, 128-column block ``block`` of the intermediate (above):
+    ``X2[row, block] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``. The ``Intermediate``
+    kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
+    inter_p = mX2.shape[1]
+    col0 = block * 128 + 4 * lane
+    gate_svh = load4(mRot, p, col0)
+    up_svh = load4(mRot, p, inter_p + col0)
+    down_suh = load4(mRot, p, 2 * inter_p + col0)
+    gate = hadamard128(summed(mP, row, block * 128, lane, splits), lane)
+    up = hadamard128(summed(mP, row, inter_p + block * 128, lane, splits), lane)
+    h = [Float32(0.0)] * 4
+    for i in range(4):
+        g = gate[i] * gate_svh[i]
+        u = up[i] * up_svh[i]
+        hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
+        h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
+    v = hadamard128(h, lane)
+    store4(mX2.iterator.toint() + (Int64(row) * inter_p + col0) * 2, v, "float16")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,23 @@ def test_grouped_gemm_compiles(bits, codebook, planes):
         assert ("st.shared.v4.b32" in ptx) == (cfg.warp_cols > 1)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (2.0, "mul1"), (6.0, "3inst")])
+def test_gate_up_gemm_with_the_intermediate_fused(bits, codebook, splits):
+    cfg = gemm_config(bits, codebook, 2, 8, intermediate_splits=splits)
+    ptx = ptx_of(cfg)
+    plain = ptx_of(gemm_config(bits, codebook, 2, 8))
+    # the tail: arrival counter (release fence, atomic), then the intermediate's three 128-wide rotations and
+    # its split sums from L2; the plain GEMM has none of it
+    assert "atom.global.add.u32" in ptx and "fence.acq_rel.gpu" in ptx and "ex2.approx" in ptx
+    assert ptx.count("shfl.sync.bfly") >= 3 * 5 and ptx.count("ld.global.cg.v4.f32") >= 2 * splits
+    assert "atom.global" not in plain and "shfl.sync.bfly" not in plain and ptx.count(MMA) == plain.count(MMA)
+    with pytest.raises(ValueError):  # down GEMM, or shared decode: no fused intermediate
+        gemm_config(bits, codebook, 1, 8, intermediate_splits=splits)
+    with pytest.raises(ValueError):
+        gemm_config(bits, codebook, 2, 128, intermediate_splits=splits)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_grouped_gemm_other_archs(arch):
     assert MMA in ptx_of(MoEGemmConfig(4.0, "mcg", 2, token_groups=2), arch)

@@ -71,3 +71,11 @@ def test_block_rows_grow_with_the_routes_per_expert():
         8, 8, 8, 32, 64, 64, 128, 128]
     one = step_shape(d, 1, 132)
     assert one.blocks == 1 + 8 and one.splits13 > 1 and one.splits2 > 1  # M=1 splits K to fill the SMs
+
+
+def test_the_intermediate_is_fused_only_into_a_one_wave_gate_up_grid():
+    """The gate/up GEMM takes over the intermediate step only where its grid is one wave of 8 CTAs per SM (H200:
+    M=1 faster, M=16 slower), so at decode for this layer, and at M=2 too on a GPU with many more SMs."""
+    d = moe()
+    assert [m for m in (1, 2, 4, 16, 64, 256, 4096) if step_shape(d, m, 132).fused_intermediate] == [1]
+    assert step_shape(d, 2, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate

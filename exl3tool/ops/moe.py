@@ -1,4 +1,5 @@
-"""The fused MoE layer on the GPU: routing, both grouped decode GEMMs and the top-k sum in 2 + 4*groups launches.
+"""The fused MoE layer on the GPU: routing, both grouped decode GEMMs and the top-k sum in 2 + 4*groups launches
+(2 + 3*groups where the gate/up GEMM does the intermediate step itself, ``StepShape.fused_intermediate``).
 
     DeviceMoE.from_layer(moe_layer, device)    the stacked expert groups as the kernels read them: zero-copy
                                                from ``load_prepared(..., device="cuda").moe(n)`` (or a source
@@ -12,7 +13,8 @@ Per call (no host sync, no allocation; CUDA-graph capturable once each M was run
   per expert group (one K and codebook):
   2 rotate      per packed route: H128(x * gate_suh), H128(x * up_suh) of its expert -> fp16
   3 gate/up     decode GEMM from w13 (split-K partials, fp32)
-  4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16
+  4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16 (small route blocks and
+                a one-wave gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
   5 down        decode GEMM from w2 (split-K partials, fp32)
   6 top-k sum   per token: output rotation * down_svh of each route's expert, weighted, summed in slot order
 Each token's result depends only on its own routes (rows are computed independently, sums in fixed order), so
@@ -33,6 +35,7 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.runtime import require_gpu, target_arch
+from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
@@ -42,6 +45,11 @@ BLOCK_ROWS = (8, 16, 32, 64, 128)  # route block = GEMM tokens per CTA, by the m
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
 # H200, E=128 top-8 2048x768 K=4, M=4096, whole layer: 64-row private blocks 2140 us, 128-row shared 1805.
 GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
+# The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
+# rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
+# overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
+# (2.6+ waves) 127.5 -> 133.5 and 196.3 -> 204.4 (kept as a launch there).
+FUSED_INTERMEDIATE_ROWS = 8
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -172,6 +180,7 @@ class StepShape:
     blocks: int
     splits13: int
     splits2: int
+    fused_intermediate: bool = False  # the gate/up GEMM does the intermediate step (FUSED_INTERMEDIATE_ROWS)
 
     @property
     def rows(self) -> int:
@@ -195,8 +204,9 @@ def block_rows_for(mean: float) -> int:
     return next((b for b in BLOCK_ROWS[:-1] if 2 * mean <= b), BLOCK_ROWS[-2])
 
 
-def gemm_config(bits: float, codebook: str, planes: int, block_rows: int) -> MoEGemmConfig:
-    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}))
+def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, **fields) -> MoEGemmConfig:
+    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}),
+                         **fields)
 
 
 def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int) -> StepShape:
@@ -210,9 +220,11 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int) -> StepShape:
     # every expert that gets a route needs at most one partly filled block
     blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
     i_p = max(g.intermediate_padded for g in dmoe.groups)
-    splits13 = _splits(2 * i_p // 16 // warps * blocks, dmoe.hidden_padded // 16, stage, sm_count)
+    ctas13 = 2 * i_p // 16 // warps * blocks
+    splits13 = _splits(ctas13, dmoe.hidden_padded // 16, stage, sm_count)
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
-    return StepShape(tokens, block_rows, blocks, splits13, splits2)
+    one_wave = ctas13 * splits13 <= CTAS_PER_SM * sm_count
+    return StepShape(tokens, block_rows, blocks, splits13, splits2, block_rows <= FUSED_INTERMEDIATE_ROWS and one_wave)
 
 
 @dataclass
@@ -267,7 +279,8 @@ class MoEPlan:
                                                           self.y))
 
     def launches(self, tokens: int) -> int:
-        return 2 + 4 * len(self.dmoe.groups)
+        fused = step_shape(self.dmoe, tokens, self.sm_count).fused_intermediate
+        return 2 + (3 if fused else 4) * len(self.dmoe.groups)
 
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
@@ -298,26 +311,31 @@ class MoEPlan:
         # (decode), a warp per slot instead (x re-read from L2).
         slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
         rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups), arch)
-        inter = K.compiled(IntermediateConfig(s.splits13), arch)
+        inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         for g in d.groups:
             i_p = g.intermediate_padded
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * i_p].view(rows, i_p)
-            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows)
+            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows,
+                              intermediate_splits=s.splits13 if s.fused_intermediate else 0)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
+            gate_up = (K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13)
+            if s.fused_intermediate:
+                (counter,) = counters.views(self.dmoe.device, ((s.blocks * (i_p // 128),), torch.int32))
+                gate_up += (g.rotations, x2, row_route, counter, g.intermediate)
             step.launches += [
                 (K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row,
                                                 g.group_row, row_route, route_row)),
-                (K.launch_gemm, K.compiled(g13, arch), (K.as_words(xr), g.w13, p13, block_expert, g.group_row,
-                                                        per13)),
-                (K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert, g.group_row,
-                                                g.intermediate, s.block_rows)),
-                (K.launch_gemm, K.compiled(g2, arch), (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert,
-                                                       g.group_row, per2)),
+                (K.launch_gemm, K.compiled(g13, arch), gate_up),
             ]
+            if not s.fused_intermediate:
+                step.launches.append((K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert,
+                                                                     g.group_row, g.intermediate, s.block_rows)))
+            step.launches.append((K.launch_gemm, K.compiled(g2, arch), (K.as_words(x2).unsqueeze(0), g.w2, p2,
+                                                                       block_expert, g.group_row, per2)))
         # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
         # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
         # CTAs of 4 blocks instead of 16: 2.6 -> 3.3).

@@ -44,7 +44,11 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     words = int(16 * cfg.bits) // 2
     args = [fake_tensor(I32, cfg.planes, rows, None), fake_tensor(I32, cfg.planes, None, None, None, words),
             fake_tensor(F32, None, rows, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
-    return _compile(MoEGemm(cfg), args, options)
+    tail = [None] * 4
+    if cfg.intermediate_splits:  # rotations, X2, row_route, counters
+        tail = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None), fake_tensor(I32, rows),
+                fake_tensor(I32, None)]
+    return _compile(MoEGemm(cfg), args + tail + [0], options)
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
@@ -87,8 +91,10 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
        row_route, block_rows)
 
 
-def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int):
-    fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split)
+def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
+                x2=None, row_route=None, counters=None, inter_true: int = 0):
+    fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
+       inter_true)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

@@ -13,6 +13,7 @@ from safetensors import safe_open
 import exl3tool
 from exl3tool import reference
 from exl3tool.format import MoEBlock
+from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
 from exl3tool.synthetic import write_checkpoint
@@ -160,9 +161,10 @@ def synthetic(tmp_path_factory):
 def test_synthetic_layers_match_the_reference(synthetic, name):
     moe, dmoe, plan = run_layer(synthetic(name), 0, SYNTHETIC[name][1])
     if name == "two-groups-k3-k5":
-        assert len(dmoe.groups) == 2 and plan.launches(1) == 10
+        assert len(dmoe.groups) == 2 and plan.launches(1) == 8  # route, 3 per group, top-k sum
     if name == "qwen3-30b-shape-k4-mcg":
-        assert plan.launches(1) == 6
+        # decode: the gate/up GEMM does the intermediate; from M=16 its grid is several waves and it launches
+        assert plan.launches(1) == 5 and plan.launches(16) == plan.launches(4096) == 6
 
 
 def test_bf16_activations(synthetic):
@@ -213,6 +215,30 @@ def test_graph_replay_is_bit_identical_without_host_sync(synthetic):
         x.copy_((torch.randn(m, 2048, device="cuda") * 0.1).half())  # new input, same graph
         graph.replay()
         assert torch.equal(out.clone(), moe_forward(x, plan).clone())
+
+
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1,)), ("k3.5-mul1-shared-gated", (1, 5)),
+                                     ("two-groups-k3-k5", (2,))])
+def test_fused_intermediate_is_bit_identical_to_its_own_launch(synthetic, name, ms, monkeypatch):
+    """Small route blocks, one-wave gate/up grid: that GEMM's last CTA per 128 columns does the intermediate (one
+    launch fewer per group, shared experts' group included). The layer's output is bit-identical to the
+    Intermediate kernel's path, and again on a second call (the GEMM's arrival counters went back to zero)."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    fused, plain = plan_moe(dmoe, max(ms)), plan_moe(dmoe, max(ms))
+    groups = len(dmoe.groups)
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        assert fused.step(m, False).shape.fused_intermediate and fused.launches(m) == 2 + 3 * groups
+        poison(fused)
+        y = moe_forward(x, fused).clone()
+        poison(fused)
+        again = moe_forward(x, fused).clone()
+        with monkeypatch.context() as patch:
+            patch.setattr(moe_ops, "FUSED_INTERMEDIATE_ROWS", 0)
+            assert plain.launches(m) == 2 + 4 * groups
+            poison(plain)
+            ref = moe_forward(x, plain).clone()
+        assert not ref.isnan().any() and torch.equal(y, ref) and torch.equal(again, ref)
 
 
 def test_each_token_is_independent_of_the_batch(synthetic):
