@@ -27,7 +27,9 @@ block, their loads issued together and their selections as independent straight-
   given             the caller's ``topk_ids / topk_weights`` as they are
 Column k (when the layer has shared experts) routes every token to "expert" E with weight sigmoid(gate logit)
 or 1. Ties go to the lower expert id. Each selection is two ``redux.sync`` (max of an order-preserving integer key,
-then min of the ids that hold it). Lane j writes slot j and takes that route's rank inside its expert from an
+then min of the ids that hold it). With <= 2 tokens a warp (token_tile 8, 16: M <= 16) only the first is on the
+serial path (``pick_fast``: the key's holders -> -inf at once, the id and score off the chain); a token whose keys
+were not each held once (ties, NaN, +-0) takes the exact search (``pick``) instead, so the routes are the same. Lane j writes slot j and takes that route's rank inside its expert from an
 atomic on the expert's count (the shared expert: the token index): in shared memory when the whole batch is one
 token block (every M <= 32 with ``tiles_for``; that CTA is then the last one and packs from those counts at
 once), else in global memory, and the last token block to finish (a second ``count_in``) packs.
@@ -62,6 +64,7 @@ RESERVED_SMEM_BYTES = 1024  # the cubin's static shared memory (sm_90a / sm_120a
 METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
 NO_ID = 0x7FFFFFFF
+NEG_INF_KEY = 0x007FFFFF  # ptx.order_key(-inf)
 
 
 @dataclass(frozen=True)
@@ -434,7 +437,27 @@ class MoERoute:
             bias = [Float32(0.0)] * self.per_lane
             if cutlass.const_expr(cfg.correction_bias):
                 bias = [Float32(mBias[cutlass.min(expert[i], n - 1)]) for i in range(self.per_lane)]
-            chosen = [self.select(logit, expert, valid, bias) for logit in logits]
+            scored = [self.scores(logit, expert, valid, bias) for logit in logits] if len(toks) <= 2 else []
+            # the one-redux chain where latency rules (<= 2 tokens a warp; H200 route alone M=1 6.43 -> 6.24 us,
+            # M=16 8.80 -> 8.51); with 4 tokens a warp its extra work costs more than it saves (M=4096 +2.5 us)
+            fast = [self.pick_fast(choice, expert, score) for score, choice in scored] if len(toks) <= 2 else []
+            for u in cutlass.range_constexpr(len(fast)):
+                picked = cute.make_rmem_tensor(cute.make_layout(k), Int32)
+                picked_w = cute.make_rmem_tensor(cute.make_layout(k), Float32)
+                for j in cutlass.range_constexpr(k):
+                    picked[j] = fast[u][0][j]
+                    picked_w[j] = fast[u][1][j]
+                if not fast[u][2]:  # a tie, a NaN or a zero among the candidates (all rare): the exact search
+                    exact = self.pick(scored[u][1], expert, scored[u][0])
+                    for j in cutlass.range_constexpr(k):
+                        picked[j] = exact[0][j]
+                        picked_w[j] = exact[1][j]
+                chosen.append(([picked[j] for j in range(k)], self.finish([picked_w[j] for j in range(k)])))
+            if cutlass.const_expr(len(fast) == 0):
+                for logit in logits:  # per token, scores then picks (the order the kernel was measured in)
+                    score, choice = self.scores(logit, expert, valid, bias)
+                    ids, weights = self.pick(choice, expert, score)
+                    chosen.append((ids, self.finish(weights)))
         gates = [Float32(1.0)] * len(toks)
         if cutlass.const_expr(cfg.shared == "gated"):
             gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4))) for row in rows]
@@ -461,10 +484,10 @@ class MoERoute:
                     mW[tok, k] = gates[u]
                     mRank[tok * routes + k] = tok
 
-    def select(self, logit, expert, valid, bias):
-        """One token's (ids, weights) of its k routes, in every lane, from this lane's logits (a straight line)."""
+    def scores(self, logit, expert, valid, bias):
+        """One token's (score, choice) of this lane's experts: the weights come from the scores, the selection
+        from the choices."""
         cfg = self.cfg
-        k = cfg.top_k
         if cfg.method == "softmax_topk":
             m = logit[0]
             for i in range(1, self.per_lane):
@@ -487,20 +510,57 @@ class MoERoute:
                 choice.append(cutlass.select_(valid[i], c, Float32(NEG_INF)))
             if cfg.n_group > 1:
                 choice = self.limit_groups(choice, expert)
+        return score, choice
+
+    def pick(self, choice, expert, score):
+        """The exact search: k times the best (higher choice, ties to the lower id), then -inf. Returns the ids and
+        the scores of the k routes, in every lane."""
         ids, weights = [], []
-        for j in range(k):
+        for j in range(self.cfg.top_k):
             v, idx, sc = lane_best(choice, expert, score)
             _, idx, sc = warp_best(v, idx, sc)
             ids.append(idx)
             weights.append(sc)
             choice = [cutlass.select_(expert[i] == idx, Float32(NEG_INF), choice[i]) for i in range(self.per_lane)]
+        return ids, weights
+
+    def pick_fast(self, choice, expert, score):
+        """``pick`` with one ``redux.sync`` on its serial path per route: the best choice's order key (a lane's
+        max, then the warp's), and the candidate holding it -> -inf. That holder's id (a second redux) and score
+        (a shuffle) are off the chain. It is ``pick`` whenever each of those keys has exactly one holder and the
+        lanes' float order is key order (no NaN, no +-0 among the choices); ``clean`` (warp-uniform) says so, or
+        the caller runs ``pick``."""
+        n_held = Int32(0)
+        for c in choice:
+            n_held = n_held + cutlass.select_((c != c) | (c == Float32(0.0)), Int32(64), Int32(0))
+        keys = [cutlass.Uint32(ptx.order_key(c)) for c in choice]
+        ids, weights = [], []
+        for j in range(self.cfg.top_k):
+            best = list(keys)
+            while len(best) > 1:  # a tree
+                best = [cutlass.max(best[i], best[i + 1]) for i in range(0, len(best) - 1, 2)] + best[len(best) // 2 * 2:]
+            top = cute.arch.warp_redux_sync(best[0], "umax")
+            hit = [key == top for key in keys]
+            mine, sc = Int32(NO_ID), score[0]
+            for i in range(len(keys)):
+                mine = cutlass.select_(hit[i], expert[i], mine)
+                sc = cutlass.select_(hit[i], score[i], sc)
+                n_held = n_held + cutlass.select_(hit[i], Int32(1), Int32(0))
+            win = cute.arch.warp_redux_sync(mine, "min")
+            ids.append(win)
+            weights.append(cute.arch.shuffle_sync(sc, win % 32))
+            keys = [cutlass.Uint32(cutlass.select_(hit[i], cutlass.Uint32(NEG_INF_KEY), keys[i])) for i in range(len(keys))]
+        return ids, weights, cute.arch.warp_redux_sync(n_held, "add") == self.cfg.top_k
+
+    def finish(self, weights):
+        """The routes' weights from their scores: optionally renormalised, times ``scale``."""
+        cfg = self.cfg
         if cfg.normalize:
             total = weights[0]
-            for j in range(1, k):
+            for j in range(1, cfg.top_k):
                 total = total + weights[j]
             weights = [w / (total + Float32(1e-20)) for w in weights]
-        weights = [w * Float32(cfg.scale) for w in weights]
-        return ids, weights
+        return [w * Float32(cfg.scale) for w in weights]
 
     def limit_groups(self, choice, expert):
         """-inf for the experts outside the topk_group groups whose two best choices sum highest."""
