@@ -32,6 +32,7 @@ from .gemm import GemmConfig
 from . import ptx
 from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 from .moe_rotate import intermediate_row
+from .rotate import rotate_into_shared
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class MoEGemmConfig:
     # CTA to arrive at each (route block, 128-column block), instead of an ``Intermediate`` launch; the value is
     # the launch's K split count (a compile-time constant, like ``IntermediateConfig.splits``).
     intermediate_splits: int = 0
+    # Gate/up at M = 1 only (x's dtype, "float16" or "bfloat16"): the GEMM rotates the token's x with its
+    # expert's gate or up suh into shared memory itself (mainloop ``input``; no RouteInputRotation launch), every
+    # route block holding one route in its first row; ``resident_k_tiles`` = the K split's k-tiles.
+    input: str | None = None
+    resident_k_tiles: int = 0
+    split_halves: bool = False  # one token group, mcg/3inst: each weight's two fp16 halves to two MMAs (mainloop)
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -55,12 +62,15 @@ class MoEGemmConfig:
         if self.intermediate_splits and (self.planes != 2 or self.warp_cols != 1 or self.warps > 8
                                          or self.tokens_per_cta % self.warps):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
+        if self.input is not None and self.planes != 2:
+            raise ValueError("only the gate/up GEMM rotates its own input")
         self.mainloop  # validates the rest, including the shared-memory limit
 
     @cached_property
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
-                          k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols)
+                          k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
+                          input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves)
 
     @property
     def tokens_per_cta(self) -> int:
@@ -86,19 +96,30 @@ class MoEGemm(DecodeGemmKernel):
         mRowRoute,
         mCounter,
         inter_true: Int32,
+        mGateSuh,
+        mUpSuh,
+        mIds,
+        mRouteRow,
         stream: cuda.CUstream,
     ):
-        """The last five arguments are None (and inter_true 0) without the fused intermediate."""
+        """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh .. mRouteRow: None unless the
+        GEMM rotates its own input (then mX is x itself ``[1, hidden]``)."""
         if cutlass.const_expr(mRot is None):
-            mRot, mX2, mRowRoute, mCounter = mP, mP, mP, mP  # never touched: the tail is compiled out
+            mRot, mX2, mCounter = mP, mP, mP  # never touched: the tail is compiled out
+        if cutlass.const_expr(mRowRoute is None):
+            mRowRoute = mBlockExpert  # never touched
+        if cutlass.const_expr(mGateSuh is None):
+            mGateSuh, mUpSuh, mIds, mRouteRow = mP, mP, mBlockExpert, mBlockExpert  # never touched: no prologue
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
-                    inter_true).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow).launch(
+            grid=grid, block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,
                mGroupRow: cute.Tensor, k_tiles_per_split: Int32, mRot: cute.Tensor, mX2: cute.Tensor,
-               mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32):
+               mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
+               mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
@@ -115,9 +136,7 @@ class MoEGemm(DecodeGemmKernel):
             words = self.plan.words_per_tile
             plane = (bn * cfg.warps) // n_col_tiles
             col_tile0 = bn * cfg.warps - plane * n_col_tiles
-            rows = mX.shape[1]
             w_base = mW.iterator.toint() + Int64(plane * mW.shape[1] + p) * k_tiles * n_col_tiles * words * 4
-            x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
             k_begin = split * k_tiles_per_split
             k_end = cutlass.min(k_begin + k_tiles_per_split, k_tiles)
             n_chunks = cutlass.max(k_end - k_begin, 0) // cfg.k_tiles_per_stage
@@ -125,17 +144,35 @@ class MoEGemm(DecodeGemmKernel):
 
             acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
             acc.fill(0.0)
-            decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
-                            col_tile0, tok0, rows, k_begin, n_chunks)
-
-            # D rows are output columns (g, g+8), D columns are rows (2q, 2q+1); every row of the block exists.
-            for j, col_tile, group in acc_groups(main, warp):
-                col = plane * n_col_tiles * 16 + (col_tile0 + col_tile) * 16 + lane // 4
-                row = tok0 + group * 8 + 2 * (lane % 4)
-                mP[split, row, col] = acc[4 * j]
-                mP[split, row, col + 8] = acc[4 * j + 2]
-                mP[split, row + 1, col] = acc[4 * j + 1]
-                mP[split, row + 1, col + 8] = acc[4 * j + 3]
+            if cutlass.const_expr(cfg.input is not None):
+                def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
+                    rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin,
+                                        n_chunks * cfg.k_tiles_per_stage // 8,
+                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), warp, cfg.warps, lane)
+                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
+                                col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
+                if bn == 0 and split == 0 and tid < mIds.shape[1]:
+                    if mIds[0, tid] == expert:  # this block's one route: slot tid of token 0
+                        mRouteRow[tid] = tok0
+                        mRowRoute[tok0] = tid
+                # every MMA column is the one token: its row alone
+                if lane % 4 == 0:
+                    col = plane * n_col_tiles * 16 + (col_tile0 + warp) * 16 + lane // 4
+                    mP[split, tok0, col] = acc[0]
+                    mP[split, tok0, col + 8] = acc[2]
+            else:
+                rows = mX.shape[1]
+                x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
+                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
+                                col_tile0, tok0, rows, k_begin, n_chunks)
+                # D rows are output columns (g, g+8), D columns are rows (2q, 2q+1); every row of the block exists.
+                for j, col_tile, group in acc_groups(main, warp):
+                    col = plane * n_col_tiles * 16 + (col_tile0 + col_tile) * 16 + lane // 4
+                    row = tok0 + group * 8 + 2 * (lane % 4)
+                    mP[split, row, col] = acc[4 * j]
+                    mP[split, row, col + 8] = acc[4 * j + 2]
+                    mP[split, row + 1, col] = acc[4 * j + 1]
+                    mP[split, row + 1, col + 8] = acc[4 * j + 3]
 
             if cutlass.const_expr(cfg.intermediate_splits > 0):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
@@ -143,10 +180,27 @@ class MoEGemm(DecodeGemmKernel):
                 ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
                 if sLast[0] != 0:
                     ptx.fence_gpu()  # acquire: every split's and plane's partials of this block are visible
-                    for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
-                        row = tok0 + r * cfg.warps + warp
-                        if mRowRoute[row] >= 0:  # padding rows stay unwritten, as in Intermediate
-                            intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
+                    if cutlass.const_expr(cfg.input is not None):
+                        if warp == 0:  # the block's one route (its row_route may not be written yet)
+                            intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
                                              cfg.intermediate_splits)
+                    else:
+                        for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                            row = tok0 + r * cfg.warps + warp
+                            if mRowRoute[row] >= 0:  # padding rows stay unwritten, as in Intermediate
+                                intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
+                                                 cfg.intermediate_splits)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+
+
+@cute.jit
+def rotate_expert_input(mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, sX: cute.Tensor, plane: Int32,
+                        p: Int32, k_begin: Int32, n_blocks: Int32, rounds: cutlass.Constexpr, warp: Int32,
+                        warps: cutlass.Constexpr, lane: Int32):
+    """The M = 1 prologue: ``H128(x[0] * suh[p])`` of the K split into ``sX`` (row order), with the gate (plane 0)
+    or up suh of group row ``p``: what ``RouteInputRotation`` writes for that route, bit for bit."""
+    if plane == 0:
+        rotate_into_shared(mX, mGateSuh, sX, k_begin, n_blocks, rounds, "rows", warp, warps, lane, p, True)
+    else:
+        rotate_into_shared(mX, mUpSuh, sX, k_begin, n_blocks, rounds, "rows", warp, warps, lane, p, True)

@@ -37,14 +37,16 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
-def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32):
+def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, suh_row=None):
     """``x[row, col0 .. col0+3] * suh`` as 4 Float32, columns past x's width zero: a lane's share of one 128-block
-    of an input rotation before its butterflies. Traced inline."""
+    of an input rotation before its butterflies. ``suh`` is a vector, or row ``suh_row`` of a matrix (an expert's).
+    Traced inline."""
     width = mX.shape[1]
     v = []
     for i in range(4):
         col = col0 + i
-        x = Float32(mX[row, cutlass.min(col, width - 1)]) * Float32(mSuh[col])
+        suh = mSuh[col] if suh_row is None else mSuh[suh_row, col]
+        x = Float32(mX[row, cutlass.min(col, width - 1)]) * Float32(suh)
         v.append(cutlass.select_(col < width, x, Float32(0.0)))
     return v
 
@@ -58,15 +60,16 @@ def rotated_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, la
 @cute.jit
 def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_begin: Int32, n_blocks: Int32,
                        rounds: cutlass.Constexpr, x_order: cutlass.Constexpr, warp: Int32,
-                       warps: cutlass.Constexpr, lane: Int32):
+                       warps: cutlass.Constexpr, lane: Int32, suh_row: Int32 = 0,
+                       suh_matrix: cutlass.Constexpr = False):
     """A decode GEMM's prologue at M = 1: ``sX`` (fp16 pairs) = the rotated row 0 of x over the 128-blocks
     ``k_begin*16 + 128*b``, b < ``n_blocks`` (at most ``rounds * warps``), in the main loop's column order
     (``trellis.x_fragment_slot`` of the element relative to the range), block b by warp ``b % warps``. Every
     round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
-    ``InputRotation``."""
+    ``InputRotation`` (with ``suh_matrix``, row ``suh_row`` of suh: to ``moe_rotate.RouteInputRotation``)."""
     last = cutlass.max(n_blocks - 1, 0)
-    scaled = [scaled_quad(mX, mSuh, Int32(0), k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane)
-              for r in range(rounds)]
+    scaled = [scaled_quad(mX, mSuh, Int32(0), k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
+                          suh_row if suh_matrix else None) for r in range(rounds)]
     for r in cutlass.range_constexpr(rounds):
         v = hadamard128(scaled[r], lane)
         b = warp + r * warps

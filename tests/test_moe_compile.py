@@ -2,6 +2,8 @@
 PTX holds what the design needs (mma.sync in both grouped GEMMs, the arrival counters and shared-memory atomics
 of the routing), and every CTA stays within SM120's 99 KB of shared memory."""
 
+import dataclasses
+
 import pytest
 
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
@@ -48,6 +50,25 @@ def test_gate_up_gemm_with_the_intermediate_fused(bits, codebook, splits):
         gemm_config(bits, codebook, 1, 8, intermediate_splits=splits)
     with pytest.raises(ValueError):
         gemm_config(bits, codebook, 2, 128, intermediate_splits=splits)
+
+
+@pytest.mark.parametrize("x_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("splits", [0, 4])
+def test_gate_up_gemm_rotating_its_own_input(x_dtype, splits):
+    """M = 1: the gate/up GEMM rotates x itself (no activation copies: only weights go through cp.async), with the
+    intermediate fused or not; split halves (sm_90) doubles the MMAs."""
+    plain = gemm_config(4.0, "mcg", 2, 8, intermediate_splits=splits)
+    staged = ptx_of(plain)
+    for split_halves in (False, True):
+        cfg = dataclasses.replace(plain, input=x_dtype, resident_k_tiles=32, split_halves=split_halves)
+        ptx = ptx_of(cfg)
+        assert ptx.count(MMA) == (2 if split_halves else 1) * staged.count(MMA)
+        # the prologue: two rotations (gate or up suh), 5 shuffles per value of a lane's 4; the fused tail's 3
+        assert ptx.count("shfl.sync.bfly") == 2 * 5 * 4 + (3 * 5 * 4 if splits else 0)
+        assert ptx.count("cp.async.cg.shared.global") < staged.count("cp.async.cg.shared.global")
+        assert cfg.smem_bytes < plain.smem_bytes
+    with pytest.raises(ValueError):  # the down GEMM's input is the intermediate: no prologue
+        dataclasses.replace(gemm_config(4.0, "mcg", 1, 8), input=x_dtype, resident_k_tiles=32)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

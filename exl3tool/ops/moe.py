@@ -1,5 +1,5 @@
-"""The fused MoE layer on the GPU: routing, both grouped decode GEMMs and the top-k sum in 2 + 4*groups launches
-(2 + 3*groups where the gate/up GEMM does the intermediate step itself, ``StepShape.fused_intermediate``).
+"""The fused MoE layer on the GPU: routing, both grouped decode GEMMs and the top-k sum in 2 + 4*groups launches,
+fewer where the gate/up GEMM takes over the steps around it (``MoEPlan.launches``: 2 + 2*groups at decode).
 
     DeviceMoE.from_layer(moe_layer, device)    the stacked expert groups as the kernels read them: zero-copy
                                                from ``load_prepared(..., device="cuda").moe(n)`` (or a source
@@ -11,7 +11,8 @@
 Per call (no host sync, no allocation; CUDA-graph capturable once each M was run eagerly, which compiles):
   1 route       logits (fp32), top-k per ``Routing`` (or the caller's ids/weights), routes packed by expert
   per expert group (one K and codebook):
-  2 rotate      per packed route: H128(x * gate_suh), H128(x * up_suh) of its expert -> fp16
+  2 rotate      per packed route: H128(x * gate_suh), H128(x * up_suh) of its expert -> fp16 (one token: in
+                the gate/up GEMM's prologue, into shared memory, no launch)
   3 gate/up     decode GEMM from w13 (split-K partials, fp32)
   4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16 (small route blocks and
                 a one-wave gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
@@ -35,6 +36,7 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.runtime import require_gpu, target_arch
+from exl3tool.ops.targets import split_halves
 from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
@@ -50,6 +52,9 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
 # (2.6+ waves) 127.5 -> 133.5 and 196.3 -> 204.4 (kept as a launch there).
 FUSED_INTERMEDIATE_ROWS = 8
+# Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
+# while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
+RESIDENT_INPUT_TOKENS = 1
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -278,9 +283,11 @@ class MoEPlan:
                                                           self.route_row, self.xr, self.p13, self.x2, self.p2,
                                                           self.y))
 
-    def launches(self, tokens: int) -> int:
+    def launches(self, tokens: int, given: bool = False) -> int:
+        """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
         fused = step_shape(self.dmoe, tokens, self.sm_count).fused_intermediate
-        return 2 + (3 if fused else 4) * len(self.dmoe.groups)
+        resident = tokens <= RESIDENT_INPUT_TOKENS and not given
+        return 2 + (4 - fused - resident) * len(self.dmoe.groups)
 
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
@@ -307,10 +314,14 @@ class MoEPlan:
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
         step.route = (K.compiled(route_cfg, arch), logits, ids, weights, rank, block_expert, row_route, bias)
+        # One token, routed by the router (distinct experts: one route per block, in its first row): the gate/up
+        # GEMM rotates x itself (RESIDENT_INPUT_TOKENS; no input-rotation launch).
+        resident = tokens <= RESIDENT_INPUT_TOKENS and not given
         # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
         # (decode), a warp per slot instead (x re-read from L2).
         slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
-        rot = K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups), arch)
+        rot = None if resident else K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups),
+                                               arch)
         inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         for g in d.groups:
@@ -322,15 +333,21 @@ class MoEPlan:
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
-            gate_up = (K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13)
+            gate_up = [None if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13]
+            gate_up += [None, None, None, None, 0]
             if s.fused_intermediate:
                 (counter,) = counters.views(self.dmoe.device, ((s.blocks * (i_p // 128),), torch.int32))
-                gate_up += (g.rotations, x2, row_route, counter, g.intermediate)
-            step.launches += [
-                (K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row,
-                                                g.group_row, row_route, route_row)),
-                (K.launch_gemm, K.compiled(g13, arch), gate_up),
-            ]
+                gate_up[6:] = [g.rotations, x2, row_route, counter, g.intermediate]
+            if resident:
+                g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13,
+                              split_halves=split_halves(arch, g.w13_codebook, 1))
+                gate_up[8] = row_route
+                gate_up += [g.gate_suh, g.up_suh, ids, route_row]
+            else:
+                step.launches.append((K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, ids, rank,
+                                                                     self.expert_row, g.group_row, row_route,
+                                                                     route_row)))
+            step.launches.append((K.launch_gemm, K.compiled(g13, arch), tuple(gate_up)))
             if not s.fused_intermediate:
                 step.launches.append((K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert,
                                                                      g.group_row, g.intermediate, s.block_rows)))

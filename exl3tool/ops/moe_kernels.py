@@ -42,13 +42,19 @@ def build_route(cfg: MoERouteConfig, options: str):
 def build_gemm(cfg: MoEGemmConfig, options: str):
     rows = cute.sym_int()
     words = int(16 * cfg.bits) // 2
-    args = [fake_tensor(I32, cfg.planes, rows, None), fake_tensor(I32, cfg.planes, None, None, None, words),
-            fake_tensor(F32, None, rows, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
-    tail = [None] * 4
-    if cfg.intermediate_splits:  # rotations, X2, row_route, counters
-        tail = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None), fake_tensor(I32, rows),
-                fake_tensor(I32, None)]
-    return _compile(MoEGemm(cfg), args + tail + [0], options)
+    x = fake_tensor(I32, cfg.planes, rows, None)
+    prologue = [None] * 4
+    if cfg.input is not None:  # x itself; gate and up suh, topk_ids, route_row
+        x = fake_tensor(_CUTE[cfg.input], 1, None, align=2)
+        prologue = [fake_tensor(F16, None, None, align=2), fake_tensor(F16, None, None, align=2),
+                    fake_tensor(I32, 1, None), fake_tensor(I32, None)]
+    args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), fake_tensor(F32, None, rows, None),
+            fake_tensor(I32, None), fake_tensor(I32, None), 0]
+    tail = [None] * 3
+    if cfg.intermediate_splits:  # rotations, X2, counters
+        tail = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None), fake_tensor(I32, None)]
+    row_route = fake_tensor(I32, rows) if cfg.intermediate_splits or cfg.input is not None else None
+    return _compile(MoEGemm(cfg), args + tail[:2] + [row_route, tail[2], 0] + prologue, options)
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
@@ -92,9 +98,10 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
-                x2=None, row_route=None, counters=None, inter_true: int = 0):
+                x2=None, row_route=None, counters=None, inter_true: int = 0, gate_suh=None, up_suh=None, ids=None,
+                route_row=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
-       inter_true)
+       inter_true, gate_suh, up_suh, ids, route_row)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

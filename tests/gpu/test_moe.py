@@ -161,10 +161,11 @@ def synthetic(tmp_path_factory):
 def test_synthetic_layers_match_the_reference(synthetic, name):
     moe, dmoe, plan = run_layer(synthetic(name), 0, SYNTHETIC[name][1])
     if name == "two-groups-k3-k5":
-        assert len(dmoe.groups) == 2 and plan.launches(1) == 8  # route, 3 per group, top-k sum
+        assert len(dmoe.groups) == 2 and plan.launches(1) == 6  # route, 2 per group, top-k sum
     if name == "qwen3-30b-shape-k4-mcg":
-        # decode: the gate/up GEMM does the intermediate; from M=16 its grid is several waves and it launches
-        assert plan.launches(1) == 5 and plan.launches(16) == plan.launches(4096) == 6
+        # decode: the gate/up GEMM rotates x and does the intermediate; from M=16 (several waves) both launch
+        assert plan.launches(1) == 4 and plan.launches(1, given=True) == 5
+        assert plan.launches(16) == plan.launches(4096) == 6
 
 
 def test_bf16_activations(synthetic):
@@ -218,27 +219,31 @@ def test_graph_replay_is_bit_identical_without_host_sync(synthetic):
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1,)), ("k3.5-mul1-shared-gated", (1, 5)),
-                                     ("two-groups-k3-k5", (2,))])
-def test_fused_intermediate_is_bit_identical_to_its_own_launch(synthetic, name, ms, monkeypatch):
-    """Small route blocks, one-wave gate/up grid: that GEMM's last CTA per 128 columns does the intermediate (one
-    launch fewer per group, shared experts' group included). The layer's output is bit-identical to the
-    Intermediate kernel's path, and again on a second call (the GEMM's arrival counters went back to zero)."""
+                                     ("two-groups-k3-k5", (1, 2))])
+def test_steps_fused_into_the_gate_up_gemm_are_bit_identical_to_their_launches(synthetic, name, ms, monkeypatch):
+    """At decode the gate/up GEMM rotates x itself (M = 1: prologue, each expert's suh) and does the intermediate
+    (one-wave grid: its last CTA per 128 columns), shared experts' group included. Each is bit-identical to the
+    launch it replaces (split halves off: they round each weight differently), also on a second call (arrival
+    counters back at zero), and the launch count says which ran."""
+    monkeypatch.setattr(moe_ops, "split_halves", lambda *args: False)
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    fused, plain = plan_moe(dmoe, max(ms)), plan_moe(dmoe, max(ms))
     groups = len(dmoe.groups)
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-        assert fused.step(m, False).shape.fused_intermediate and fused.launches(m) == 2 + 3 * groups
-        poison(fused)
-        y = moe_forward(x, fused).clone()
-        poison(fused)
-        again = moe_forward(x, fused).clone()
-        with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "FUSED_INTERMEDIATE_ROWS", 0)
-            assert plain.launches(m) == 2 + 4 * groups
-            poison(plain)
-            ref = moe_forward(x, plain).clone()
-        assert not ref.isnan().any() and torch.equal(y, ref) and torch.equal(again, ref)
+        outs = []
+        for resident_tokens, fused_rows in ((1, 8), (0, 8), (1, 0), (0, 0)):
+            with monkeypatch.context() as patch:
+                patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident_tokens)
+                patch.setattr(moe_ops, "FUSED_INTERMEDIATE_ROWS", fused_rows)
+                plan = plan_moe(dmoe, max(ms))
+                assert plan.step(m, False).shape.fused_intermediate == (fused_rows > 0)  # one-wave grids here
+                assert plan.launches(m) == 2 + (4 - (m <= resident_tokens) - (fused_rows > 0)) * groups
+                poison(plan)
+                y = moe_forward(x, plan).clone()
+                poison(plan)
+                assert torch.equal(moe_forward(x, plan), y)
+                outs.append(y)
+        assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
 
 
 def test_each_token_is_independent_of_the_batch(synthetic):
