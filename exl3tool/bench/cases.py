@@ -331,7 +331,8 @@ def _moe_per_expert(g: MoEGroup, x, copies, nbytes):
 def _moe_fused(g: MoEGroup, x, copies, nbytes):
     layers = g.fused_layers(copies)
     plans = [fused.plan_moe(d, x.shape[0], x.dtype) for d in layers]
-    return Impl("fused", lambda c: fused.moe_forward(x, plans[c]), copies, nbytes)
+    return Impl("fused", lambda c: fused.moe_forward(x, plans[c]), copies, nbytes,
+                note=f"{plans[0].launches(x.shape[0])} launches per layer")
 
 
 def _moe_exllamav3(g: MoEGroup, x, copies, nbytes):
