@@ -14,6 +14,11 @@ saving its launch: every CTA counts in at its (route block, 128-column block of 
 the splits in order and writes X2 for the block's rows (``moe_rotate.intermediate_row``, the same code, so X2 is
 bit-identical), then resets the counter for the next launch.
 
+With ``input`` (gate/up at M = 1, router-chosen distinct experts: each block's one route sits in its first row) X
+is x itself: each CTA rotates the token's x with its expert's gate or up suh into shared memory while its first
+weight stages load (``rotate_expert_input``, the dense GEMM's M = 1 prologue), so no RouteInputRotation runs; the
+first CTA of each block writes that route's ``route_row`` / ``row_route`` in its place.
+
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
 intermediate also the group's rotations fp16 ``[E_g, 3*I_p]``, X2 fp16 ``[R, I_p]``, row_route int32 ``[R]``,
@@ -28,8 +33,8 @@ import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
-from .gemm import GemmConfig
 from . import ptx
+from .gemm import GemmConfig
 from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 from .moe_rotate import intermediate_row
 from .rotate import rotate_into_shared
