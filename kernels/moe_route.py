@@ -29,16 +29,18 @@ Column k (when the layer has shared experts) routes every token to "expert" E wi
 or 1. Ties go to the lower expert id. Each selection is two ``redux.sync`` (max of an order-preserving integer key,
 then min of the ids that hold it). With <= 2 tokens a warp (token_tile 8, 16: M <= 16) only the first is on the
 serial path (``pick_fast``: the key's holders -> -inf at once, the id and score off the chain); a token whose keys
-were not each held once (ties, NaN, +-0) takes the exact search (``pick``) instead, so the routes are the same. Lane j writes slot j and takes that route's rank inside its expert from an
-atomic on the expert's count (the shared expert: the token index): in shared memory when the whole batch is one
-token block (every M <= 32 with ``tiles_for``; that CTA is then the last one and packs from those counts at
-once), else in global memory, and the last token block to finish (a second ``count_in``) packs.
+were not each held once (ties, NaN, +-0) takes the exact search (``pick``) instead, so the routes are the same.
+Lane j writes slot j and takes that route's rank inside its expert from an atomic on the expert's count (the
+shared expert: the token index): in shared memory when the whole batch is one token block (every M <= 32 with
+``tiles_for``; that CTA is then the last one and packs from those counts at once), else in global memory, and the
+last token block to finish (a second ``count_in``) packs.
 The packing CTA turns the counts into the packing: each expert's rows padded to the route block ``T`` (the
 GEMM's tokens per CTA), ``expert_row[e]`` = its first packed row, ``block_expert[b]`` = the expert of rows
 ``b*T ..`` (-1: unused) and ``row_route`` = -1 on padding rows; it zeroes the global counts again. The
-input rotation then places route ``t*k' + j`` at row ``expert_row[e] + rank`` (and writes ``row_route`` /
-``route_row`` there). Row order inside an expert follows the atomics, which changes no result: every packed row
-is computed independently and the top-k sum reads routes in (token, slot) order. The arrival counters and the
+input rotation (at M = 1 the gate/up GEMM, ``moe_gemm``) then places route ``t*k' + j`` at row
+``expert_row[e] + rank`` (and writes ``row_route`` / ``route_row`` there). Row order inside an expert follows
+the atomics, which changes no result: every packed row is computed independently and the top-k sum reads routes
+in (token, slot) order. The arrival counters and the
 global counts reset themselves (the shared ones start at zero in every CTA), so the launch replays in a CUDA
 graph with no host work.
 """
@@ -538,7 +540,8 @@ class MoERoute:
         for j in range(self.cfg.top_k):
             best = list(keys)
             while len(best) > 1:  # a tree
-                best = [cutlass.max(best[i], best[i + 1]) for i in range(0, len(best) - 1, 2)] + best[len(best) // 2 * 2:]
+                pairs = [cutlass.max(best[i], best[i + 1]) for i in range(0, len(best) - 1, 2)]
+                best = pairs + best[len(best) // 2 * 2:]
             top = cute.arch.warp_redux_sync(best[0], "umax")
             hit = [key == top for key in keys]
             mine, sc = Int32(NO_ID), score[0]
@@ -549,7 +552,8 @@ class MoERoute:
             win = cute.arch.warp_redux_sync(mine, "min")
             ids.append(win)
             weights.append(cute.arch.shuffle_sync(sc, win % 32))
-            keys = [cutlass.Uint32(cutlass.select_(hit[i], cutlass.Uint32(NEG_INF_KEY), keys[i])) for i in range(len(keys))]
+            keys = [cutlass.Uint32(cutlass.select_(hit[i], cutlass.Uint32(NEG_INF_KEY), keys[i]))
+                    for i in range(len(keys))]
         return ids, weights, cute.arch.warp_redux_sync(n_held, "add") == self.cfg.top_k
 
     def finish(self, weights):
