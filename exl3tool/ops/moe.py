@@ -209,6 +209,12 @@ def block_rows_for(mean: float) -> int:
     return next((b for b in BLOCK_ROWS[:-1] if 2 * mean <= b), BLOCK_ROWS[-2])
 
 
+def resident_input(tokens: int, given: bool) -> bool:
+    """Does the gate/up GEMM rotate x itself? One token routed by the router: distinct experts, so every route
+    block holds one route, in its first row (the caller's topk_ids may repeat an expert)."""
+    return tokens <= RESIDENT_INPUT_TOKENS and not given
+
+
 def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, **fields) -> MoEGemmConfig:
     return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}),
                          **fields)
@@ -286,8 +292,7 @@ class MoEPlan:
     def launches(self, tokens: int, given: bool = False) -> int:
         """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
         fused = step_shape(self.dmoe, tokens, self.sm_count).fused_intermediate
-        resident = tokens <= RESIDENT_INPUT_TOKENS and not given
-        return 2 + (4 - fused - resident) * len(self.dmoe.groups)
+        return 2 + (4 - fused - resident_input(tokens, given)) * len(self.dmoe.groups)
 
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
@@ -314,9 +319,7 @@ class MoEPlan:
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
         step.route = (K.compiled(route_cfg, arch), logits, ids, weights, rank, block_expert, row_route, bias)
-        # One token, routed by the router (distinct experts: one route per block, in its first row): the gate/up
-        # GEMM rotates x itself (RESIDENT_INPUT_TOKENS; no input-rotation launch).
-        resident = tokens <= RESIDENT_INPUT_TOKENS and not given
+        resident = resident_input(tokens, given)
         # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
         # (decode), a warp per slot instead (x re-read from L2).
         slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
@@ -333,21 +336,23 @@ class MoEPlan:
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
-            gate_up = [None if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13]
-            gate_up += [None, None, None, None, 0]
+            # launch_gemm's arguments: x (None: the call's own x) or the rotated X, the fused intermediate's tail
+            # (row_route also when the GEMM writes it), the prologue's suh rows and route indices
+            tail = (None, None, row_route if resident else None, None, 0)
             if s.fused_intermediate:
                 (counter,) = counters.views(self.dmoe.device, ((s.blocks * (i_p // 128),), torch.int32))
-                gate_up[6:] = [g.rotations, x2, row_route, counter, g.intermediate]
+                tail = (g.rotations, x2, row_route, counter, g.intermediate)
+            prologue = (g.gate_suh, g.up_suh, ids, route_row) if resident else ()
+            gate_up = (None if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
+                       *tail, *prologue)
             if resident:
                 g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13,
                               split_halves=split_halves(arch, g.w13_codebook, 1))
-                gate_up[8] = row_route
-                gate_up += [g.gate_suh, g.up_suh, ids, route_row]
             else:
                 step.launches.append((K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, ids, rank,
                                                                      self.expert_row, g.group_row, row_route,
                                                                      route_row)))
-            step.launches.append((K.launch_gemm, K.compiled(g13, arch), tuple(gate_up)))
+            step.launches.append((K.launch_gemm, K.compiled(g13, arch), gate_up))
             if not s.fused_intermediate:
                 step.launches.append((K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert,
                                                                      g.group_row, g.intermediate, s.block_rows)))
