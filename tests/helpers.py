@@ -42,3 +42,33 @@ def run_cli(*args: str) -> CliResult:
     out = CliResult(result.exit_code, result.stdout, result.stderr)
     assert "Traceback" not in out.stdout + out.stderr
     return out
+
+
+def fake_timers(monkeypatch, run, graph_us: float, eager_us: float) -> list[tuple[str, int]]:
+    """``bench.run`` without a GPU: a "graph" replays its step, every launch runs once, and each takes the fixed
+    per-call time of its mode. Returns the (mode, calls) of every timed launch, in the order they were timed."""
+    from exl3tool.bench.report import Timing
+
+    timed: list[tuple[str, int]] = []
+
+    class Graph:
+        def __init__(self, step):
+            self.step = step
+
+        def replay(self):
+            self.step()
+
+    def time_interleaved(launches, repeats):
+        out = []
+        for launch, calls in launches:
+            launch()
+            mode = "graph" if getattr(launch, "__self__", None).__class__ is Graph else "eager"
+            timed.append((mode, calls))
+            us = graph_us if mode == "graph" else eager_us
+            out.append(Timing(us, us, us, 1.0, repeats))
+        return out
+
+    monkeypatch.setattr(run, "capture_graph", Graph)
+    monkeypatch.setattr(run, "warm_up", lambda launch: None)
+    monkeypatch.setattr(run, "time_interleaved", time_interleaved)
+    return timed

@@ -14,7 +14,7 @@ from exl3tool.bench import run
 from exl3tool.bench.report import Environment, Timing, exl3_weight_bytes, floor_us
 from exl3tool.bench.request import BenchRequest, MoESpec
 from exl3tool.ops import blocks
-from helpers import model_dir
+from helpers import fake_timers, model_dir
 
 COPY_TBS = 2.0
 
@@ -45,18 +45,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(blocks, "linear_forward", _reference_linear)
     monkeypatch.setattr(C, "MOE_IMPLEMENTATIONS", {k: v for k, v in C.MOE_IMPLEMENTATIONS.items() if k != "fused"})
     monkeypatch.setattr(run, "first_call_s", lambda call: (call(), 0.25))
-    timed = []
-
-    def timer(mode, us):
-        def time(step, calls, repeats):
-            step()
-            timed.append((mode, calls))
-            return Timing(us, us, us, 1.0, repeats)
-        return time
-
-    monkeypatch.setattr(run, "time_graph", timer("graph", 10.0))
-    monkeypatch.setattr(run, "time_eager", timer("eager", 20.0))
-    return timed
+    return fake_timers(monkeypatch, run, graph_us=10.0, eager_us=20.0)
 
 
 def test_synthetic_linears(cpu_bench):
@@ -74,7 +63,8 @@ def test_synthetic_linears(cpu_bench):
             assert r.check.passed and r.compile_s == 0.25 and r.copies == 3
             assert set(r.vs) == {"exl3tool", "dequant+fp16", "torch fp16"} - {r.implementation}
     assert not report.wrong
-    assert set(cpu_bench) == {("graph", 3), ("eager", 3)}  # each loop rotates through every weight copy
+    # each mode times all three implementations together (in turns), each loop through every weight copy
+    assert cpu_bench == ([("graph", 3)] * 3 + [("eager", 3)] * 3) * 4  # 4 cases
     assert report.settings.modes == ("graph", "eager")
 
 

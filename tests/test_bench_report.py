@@ -14,6 +14,7 @@ from exl3tool.bench import request as Q
 from exl3tool.bench.report import BenchReport, Case, Check, Environment, Result, Settings, Timing, timed_result
 from exl3tool.cli.render.bench import render_human
 from exl3tool.errors import UsageError
+from helpers import fake_timers
 
 COPY_TBS = 4.0
 
@@ -162,31 +163,13 @@ def test_clone_copies_every_tensor():
     assert c.info == t.info
 
 
-class _FakeTimers:
-    """measure() without a GPU: the timers return fixed per-call figures and record what was timed."""
-
-    def __init__(self, monkeypatch):
-        from exl3tool.bench import run
-
-        self.timed = []
-        monkeypatch.setattr(run.torch.cuda, "synchronize", lambda *a: None)
-        monkeypatch.setattr(run, "first_call_s", lambda call: (call(), 0.5))
-        monkeypatch.setattr(run, "time_graph", self.timer("graph", 10.0))
-        monkeypatch.setattr(run, "time_eager", self.timer("eager", 30.0))
-
-    def timer(self, mode, us):
-        def time(step, calls, repeats):
-            step()
-            self.timed.append(mode)
-            return Timing(us, us, us, 1.0, repeats)
-        return time
-
-
 def test_measure_checks_before_timing(monkeypatch):
     from exl3tool.bench import cases as C
     from exl3tool.bench import run
 
-    timers = _FakeTimers(monkeypatch)
+    monkeypatch.setattr(run.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(run, "first_call_s", lambda call: (call(), 0.5))
+    timed = fake_timers(monkeypatch, run, graph_us=10.0, eager_us=30.0)
     ref = torch.randn(4, 8)
     calls = []
 
@@ -212,7 +195,7 @@ def test_measure_checks_before_timing(monkeypatch):
                       ("host-synced", "eager"): "ok", ("broken", "graph"): "failed", ("broken", "eager"): "failed"}
     assert {name for name, _ in calls if name == "wrong"} == {"wrong"}
     assert [c for name, c in calls if name == "wrong"] == [0]  # checked once, never warmed or timed
-    assert timers.timed == ["graph", "eager", "eager"]
+    assert [mode for mode, _ in timed] == ["graph", "eager", "eager"]  # each mode: its implementations in turn
     by = {(r.implementation, r.mode): r for r in out.results}
     assert by[("good", "eager")].vs == {"host-synced": pytest.approx(1.0)}
     assert by[("broken", "graph")].note == "RuntimeError: no kernel"

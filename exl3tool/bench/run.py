@@ -1,7 +1,8 @@
 """The benchmark driver: a `BenchRequest` in, a `BenchReport` out.
 
 For every case: each implementation's first call (compiles, plans; timed apart), its output against the fp32
-reference (a wrong output is reported and never timed), every weight copy warmed, then the timed loops.
+reference (a wrong output is reported and never timed), every weight copy warmed, then per mode the timed loops
+of all implementations that passed, taking turns (``timing.time_interleaved``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from exl3tool.bench.report import (
     BenchReport, Case, Check, Result, Settings, exl3_weight_bytes, fill_ratios, timed_result,
 )
 from exl3tool.bench.request import BenchRequest, MoESpec, require_peers
-from exl3tool.bench.timing import L2_MULTIPLE, environment, first_call_s, time_eager, time_graph
+from exl3tool.bench.timing import (
+    L2_MULTIPLE, capture_graph, environment, first_call_s, time_interleaved, warm_up,
+)
 from exl3tool.errors import terminal_safe
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.verify import Thresholds, compare
@@ -52,22 +55,23 @@ def _one_line(error: BaseException) -> str:
 
 
 def measure(setup: C.Setup, ctx: Context, request: BenchRequest) -> Case:
-    case, results = setup.case, []
-    flops = case.flops
+    case = setup.case
+    rows: dict[str, list[Result]] = {}  # by implementation, in the setup's order; modes in the request's
+    checked = []  # (name, impl, step, common) of the implementations that passed the check: timed below
 
-    def rows(name, status, weight_bytes=0, **fields):
+    def failed_rows(name, status, weight_bytes=0, **fields):
         return [Result(name, mode, status, weight_bytes, **fields) for mode in request.modes]
 
     for name, build in setup.impls:
         try:
             impl = build()
         except Exception as error:  # noqa: BLE001 - a peer or kernel that cannot be built is reported
-            results += rows(name, "failed", note=_one_line(error))
+            rows[name] = failed_rows(name, "failed", note=_one_line(error))
             continue
         if impl is None:
             continue  # not part of this version
         if impl.call is None:
-            results += rows(name, "skipped", impl.weight_bytes, note=impl.note)
+            rows[name] = failed_rows(name, "skipped", impl.weight_bytes, note=impl.note)
             continue
         try:
             out, compile_s = first_call_s(lambda: impl.call(0))
@@ -78,32 +82,49 @@ def measure(setup: C.Setup, ctx: Context, request: BenchRequest) -> Case:
                     impl.call(c)
                 torch.cuda.synchronize()
         except Exception as error:  # noqa: BLE001
-            results += rows(name, "failed", impl.weight_bytes, copies=impl.copies, note=_one_line(error))
+            rows[name] = failed_rows(name, "failed", impl.weight_bytes, copies=impl.copies, note=_one_line(error))
             continue
         common = dict(weight_bytes=impl.weight_bytes, copies=impl.copies, check=check, compile_s=compile_s)
         if not check.passed:
-            results += rows(name, "wrong", note="output differs from the fp32 reference: not timed",
-                            **common)
+            rows[name] = failed_rows(name, "wrong", note="output differs from the fp32 reference: not timed",
+                                     **common)
             continue
 
         def step(impl=impl):
             for c in range(impl.copies):
                 impl.call(c)
 
-        for mode in request.modes:
+        rows[name] = []
+        checked.append((name, impl, step, common))
+
+    for mode in request.modes:
+        turns = []  # (launch, name, impl, common): timed together, in turns
+        for name, impl, step, common in checked:
             if mode == "graph" and not impl.capturable:
-                results.append(Result(name, mode, "eager-only", note=impl.note, **common))
+                rows[name].append(Result(name, mode, "eager-only", note=impl.note, **common))
                 continue
             try:
-                timing = (time_graph if mode == "graph" else time_eager)(step, impl.copies, request.replays)
+                launch = capture_graph(step).replay if mode == "graph" else step
+                warm_up(launch)
             except Exception as error:  # noqa: BLE001 - e.g. a peer whose capture fails at this M
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize()
                 status = "eager-only" if mode == "graph" else "failed"
-                results.append(Result(name, mode, status, note=_one_line(error), **common))
+                rows[name].append(Result(name, mode, status, note=_one_line(error), **common))
                 continue
-            results.append(timed_result(name, mode, timing, flops=flops, copy_tbs=ctx.copy_tbs, note=impl.note,
-                                        **common))
+            turns.append((launch, name, impl, common))
+        try:
+            timings = time_interleaved([(launch, impl.copies) for launch, _, impl, _ in turns], request.replays)
+        except Exception as error:  # noqa: BLE001 - nothing of this mode is timed then
+            timings = [error] * len(turns)
+        for (_, name, impl, common), timing in zip(turns, timings):
+            if isinstance(timing, Exception):
+                rows[name].append(Result(name, mode, "failed", note=_one_line(timing), **common))
+            else:
+                rows[name].append(timed_result(name, mode, timing, flops=case.flops, copy_tbs=ctx.copy_tbs,
+                                               note=impl.note, **common))
+        del turns  # the graphs and their memory pools
+    results = [r for name in rows for r in rows[name]]
     fill_ratios(results)
     case.results = results
     return case

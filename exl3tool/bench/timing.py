@@ -3,7 +3,9 @@
 Graph mode: ``step()`` (one call per weight copy) is captured in a CUDA graph once and replayed; CUDA events
 around each replay, the median of ``repeats`` replays. Eager mode: the same calls launched from Python, CUDA
 events around the loop, and the host's wall time to enqueue them (launch overhead: what an engine without
-graphs pays). Both report per-call figures. Warm-up (compiles, plans) happens before either.
+graphs pays). Both report per-call figures. Warm-up (compiles, plans) happens before either, and the
+implementations of one case take turns replay by replay (``time_interleaved``), so their ratios compare runs
+at the same clocks.
 """
 
 from __future__ import annotations
@@ -33,43 +35,45 @@ def _timing(gpu_ms: list[float], host_s: list[float], calls: int) -> Timing:
                   statistics.median(host_s) * 1e6 / calls, len(per_call))
 
 
-def time_graph(step: Callable[[], object], calls: int, repeats: int = 30) -> Timing:
-    """Capture ``step()`` (``calls`` calls of the thing measured, already warmed up) and time its replays."""
+def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``step()`` (already warmed up) captured in a CUDA graph, after one run on a side stream (torch's recipe)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # capture on a side stream, as torch recommends
+    with torch.cuda.stream(stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    timing = _measure(graph.replay, calls, repeats)
-    del graph
-    return timing
+    return graph
 
 
-def time_eager(step: Callable[[], object], calls: int, repeats: int = 30) -> Timing:
-    """``step()`` launched eagerly: GPU time from events around it, host time to enqueue it."""
-    return _measure(step, calls, repeats)
-
-
-def _measure(launch: Callable[[], object], calls: int, repeats: int) -> Timing:
-    """Warm up, then per repeat: GPU time between events around ``launch()`` and the host time to enqueue it."""
+def warm_up(launch: Callable[[], object]) -> None:
+    """A few untimed launches, then a sync: a launch that fails raises here, before any timing."""
     for _ in range(WARMUP):
         launch()
     torch.cuda.synchronize()
-    gpu, host = [], []
+
+
+def time_interleaved(launches: list[tuple[Callable[[], object], int]], repeats: int = 30) -> list[Timing]:
+    """Per-call timings of ``launch()`` (a graph replay or an eager step of ``calls`` calls) for each pair, taken
+    in turns: every round times each launch once, so all of them run at the same clocks. The H200 drifts from
+    boost to its power limit within one run (torch's 4096x4096x14336 fp16 GEMM: 643 us cool, 742-759 us warm),
+    and one implementation timed after another would carry that drift into their ratio. Warm each up first."""
+    gpu: list[list[float]] = [[] for _ in launches]
+    host: list[list[float]] = [[] for _ in launches]
     for _ in range(repeats):
-        start, end = _events()
-        start.record()
-        t0 = time.perf_counter()
-        launch()
-        host.append(time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
-    return _timing(gpu, host, calls)
+        for i, (launch, _) in enumerate(launches):
+            start, end = _events()
+            start.record()
+            t0 = time.perf_counter()
+            launch()
+            host[i].append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            gpu[i].append(start.elapsed_time(end))
+    return [_timing(g, h, calls) for g, h, (_, calls) in zip(gpu, host, launches)]
 
 
 def first_call_s(call: Callable[[], object]) -> tuple[object, float]:

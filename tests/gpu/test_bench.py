@@ -56,3 +56,25 @@ def test_real_layer_linears_and_block():
     for case in report["cases"]:
         for r in case["results"]:
             _timed(r)
+
+
+def test_implementations_take_turns():
+    """time_interleaved times one launch of each in every round (same clocks for all), and its per-call figures
+    come from CUDA events: a launch that sleeps 200 us on the GPU per call reads about that."""
+    import torch
+
+    from exl3tool.bench.timing import time_interleaved
+
+    order = []
+
+    def sleeper(name, calls):
+        def launch():
+            order.append(name)
+            for _ in range(calls):
+                torch.cuda._sleep(200_000)  # ~100+ us of GPU cycles per call at any clock
+        return launch
+
+    a, b = time_interleaved([(sleeper("a", 1), 1), (sleeper("b", 2), 2)], repeats=6)
+    assert order == ["a", "b"] * 6
+    assert a.repeats == b.repeats == 6
+    assert 0.5 < b.median_us / a.median_us < 2.0  # per call: b's two calls are divided by two
