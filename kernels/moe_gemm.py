@@ -14,6 +14,12 @@ saving its launch: every CTA counts in at its (route block, 128-column block of 
 the splits in order and writes X2 for the block's rows (``moe_rotate.intermediate_row``, the same code, so X2 is
 bit-identical), then resets the counter for the next launch.
 
+With ``topk_sum`` (down at M = 1, routes chosen by the router: one per block, in its first row) the GEMM also
+does the ``TopKSum`` kernel's work: every CTA counts in at its 128-column block of the hidden dim (each route's
+block, split and the CTAs of its columns: ``k' * 128/(16*warps) * splits`` arrivals over every group's launch,
+which share the counter), and the last one sums the token's slot terms for those columns in slot order
+(``moe_rotate.topk_sum_block``, the same code) into y, then resets the counter.
+
 With ``input`` (gate/up at M = 1, router-chosen distinct experts: each block's one route sits in its first row) X
 is x itself: each CTA rotates the token's x with its expert's gate or up suh into shared memory while its first
 weight stages load (``rotate_expert_input``, the dense GEMM's M = 1 prologue), so no RouteInputRotation runs; the
@@ -34,9 +40,9 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .gemm import GemmConfig
+from .gemm import SMEM_LIMIT_BYTES, GemmConfig
 from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
-from .moe_rotate import intermediate_row
+from .moe_rotate import TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
 
 
@@ -60,6 +66,13 @@ class MoEGemmConfig:
     input: str | None = None
     resident_k_tiles: int = 0
     split_halves: bool = False  # one token group, mcg/3inst: each weight's two fp16 halves to two MMAs (mainloop)
+    # Down at M = 1 only (router-chosen routes: each route alone in its block, in its first row): the GEMM also does
+    # the ``TopKSum`` launch's work for the token in the last CTA to arrive at each 128-column block (all routes,
+    # splits and groups: the counter spans every group's launch); ``topk_sum`` is that launch's config.
+    topk_sum: TopKSumConfig | None = None
+    # X's (and the fused intermediate's X2) column order, as GemmConfig.x_order: what the route input rotation and
+    # the intermediate write (moe_rotate.store_x_quad)
+    x_order: str = "rows"
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -69,21 +82,38 @@ class MoEGemmConfig:
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
         if self.input is not None and self.planes != 2:
             raise ValueError("only the gate/up GEMM rotates its own input")
+        if self.topk_sum is not None and (self.planes != 1 or self.token_groups != 1 or self.warp_cols != 1
+                                          or self.topk_sum.blocks_per_cta != 1):
+            raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
         self.mainloop  # validates the rest, including the shared-memory limit
+        if self.smem_bytes > SMEM_LIMIT_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT_BYTES})")
 
     @cached_property
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
-                          input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves)
+                          input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves,
+                          x_order=self.x_order)
 
     @property
     def tokens_per_cta(self) -> int:
         return 8 * self.token_groups
 
     @property
+    def term_words(self) -> int:
+        """The fused top-k sum's slot terms (fp32, k' x 128): in the weight stages, idle after the main loop."""
+        return 0 if self.topk_sum is None else self.topk_sum.routes_per_token * 128
+
+    @property
+    def extra_term_words(self) -> int:
+        """Term words that need their own shared memory: all of them where the weight stages are smaller."""
+        main = self.mainloop
+        return self.term_words if self.term_words > main.stages * main.w_stage_words else 0
+
+    @property
     def smem_bytes(self) -> int:
-        return self.mainloop.smem_bytes
+        return self.mainloop.smem_bytes + 4 * self.extra_term_words
 
 
 class MoEGemm(DecodeGemmKernel):
@@ -105,26 +135,39 @@ class MoEGemm(DecodeGemmKernel):
         mUpSuh,
         mIds,
         mRouteRow,
+        mSvh,
+        mSvhRow,
+        mWeights,
+        mY,
         stream: cuda.CUstream,
     ):
-        """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh .. mRouteRow: None unless the
-        GEMM rotates its own input (then mX is x itself ``[1, hidden]``)."""
-        if cutlass.const_expr(mRot is None):
-            mRot, mX2, mCounter = mP, mP, mP  # never touched: the tail is compiled out
+        """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
+        rotates its own input (then mX is x itself ``[1, hidden]``); mSvh .. mY: None without the fused top-k sum
+        (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None. The counter of
+        the fused tail: one per (route block, 128 columns) for the intermediate, one per 128 columns for the sum."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
+        if cutlass.const_expr(mCounter is None):
+            mCounter = mP  # never touched: no fused tail
+        if cutlass.const_expr(mRot is None):
+            mRot, mX2 = mP, mP  # never touched: no fused intermediate
         if cutlass.const_expr(mGateSuh is None):
-            mGateSuh, mUpSuh, mIds, mRouteRow = mP, mP, mBlockExpert, mBlockExpert  # never touched: no prologue
+            mGateSuh, mUpSuh = mP, mP  # never touched: no prologue
+        if cutlass.const_expr(mIds is None):
+            mIds, mRouteRow = mBlockExpert, mBlockExpert  # never touched
+        if cutlass.const_expr(mSvh is None):
+            mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
-                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow).launch(
+                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,
                mGroupRow: cute.Tensor, k_tiles_per_split: Int32, mRot: cute.Tensor, mX2: cute.Tensor,
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
-               mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor):
+               mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
+               mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
@@ -133,6 +176,11 @@ class MoEGemm(DecodeGemmKernel):
 
         smem, sW, sX, sDec = allocate_smem(main)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+        sTerm = sLast  # the fused top-k sum's slot terms: the weight stages, or their own where those are smaller
+        if cutlass.const_expr(cfg.extra_term_words > 0):
+            sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)
+        elif cutlass.const_expr(cfg.topk_sum is not None):
+            sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
         expert = mBlockExpert[blk]
         p = mGroupRow[cutlass.max(expert, 0)]
         if expert >= 0 and p >= 0:
@@ -153,7 +201,8 @@ class MoEGemm(DecodeGemmKernel):
                 def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
                     rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin,
                                         n_chunks * cfg.k_tiles_per_stage // 8,
-                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), warp, cfg.warps, lane)
+                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.x_order, warp, cfg.warps,
+                                        lane)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:
@@ -188,24 +237,36 @@ class MoEGemm(DecodeGemmKernel):
                     if cutlass.const_expr(cfg.input is not None):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
-                                             cfg.intermediate_splits)
+                                             cfg.intermediate_splits, cfg.x_order)
                     else:
                         for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                             row = tok0 + r * cfg.warps + warp
                             if mRowRoute[row] >= 0:  # padding rows stay unwritten, as in Intermediate
                                 intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
-                                                 cfg.intermediate_splits)
+                                                 cfg.intermediate_splits, cfg.x_order)
+                    if tid == 0:
+                        ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+
+            if cutlass.const_expr(cfg.topk_sum is not None):
+                block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
+                counter = mCounter.iterator.toint() + Int64(block) * 4
+                ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
+                             0, tid)
+                if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
+                    ptx.fence_gpu()  # acquire: every route's partials of this block are visible
+                    topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0, block,
+                                   warp, cfg.warps, lane)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 
 
 @cute.jit
 def rotate_expert_input(mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, sX: cute.Tensor, plane: Int32,
-                        p: Int32, k_begin: Int32, n_blocks: Int32, rounds: cutlass.Constexpr, warp: Int32,
-                        warps: cutlass.Constexpr, lane: Int32):
-    """The M = 1 prologue: ``H128(x[0] * suh[p])`` of the K split into ``sX`` (row order), with the gate (plane 0)
-    or up suh of group row ``p``: what ``RouteInputRotation`` writes for that route, bit for bit."""
+                        p: Int32, k_begin: Int32, n_blocks: Int32, rounds: cutlass.Constexpr,
+                        x_order: cutlass.Constexpr, warp: Int32, warps: cutlass.Constexpr, lane: Int32):
+    """The M = 1 prologue: ``H128(x[0] * suh[p])`` of the K split into ``sX`` (in ``x_order``), with the gate
+    (plane 0) or up suh of group row ``p``: what ``RouteInputRotation`` writes for that route, bit for bit."""
     if plane == 0:
-        rotate_into_shared(mX, mGateSuh, sX, k_begin, n_blocks, rounds, "rows", warp, warps, lane, p, True)
+        rotate_into_shared(mX, mGateSuh, sX, k_begin, n_blocks, rounds, x_order, warp, warps, lane, p, True)
     else:
-        rotate_into_shared(mX, mUpSuh, sX, k_begin, n_blocks, rounds, "rows", warp, warps, lane, p, True)
+        rotate_into_shared(mX, mUpSuh, sX, k_begin, n_blocks, rounds, x_order, warp, warps, lane, p, True)

@@ -15,6 +15,7 @@ TopKSum             per token t: ``y[t] = sum_j w[t, j] * H128(sum_s P2[s, route
                     ``blocks_per_cta`` column blocks of a token; its warps share the slots (a slot's indices are
                     loaded once for all its blocks) and the terms are summed from shared memory in slot order.
 Rows of unused blocks, padding rows (row_route -1) and rows of other groups are skipped; nothing reads them.
+X and X2 rows are stored in the column order the MoE GEMMs read them in (``x_order``, ``store_x_quad``).
 """
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .rotate import hadamard128
+from .trellis import x_fragment_slot
 
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
@@ -71,6 +73,18 @@ def load4(tensor, row, col, dtype: str = "float16"):
     return list(ptx.words_to_f32(w[0], w[1], dtype))
 
 
+def store_x_quad(row_addr, col0, values, x_order: str):
+    """A lane's four consecutive columns ``col0 ..`` (a multiple of 4) of a GEMM input row at ``row_addr``, fp16, in
+    the GEMM's column order: rows (one 8-byte store) or fragments (``trellis.x_fragment_slot``: two 4-byte stores,
+    the column pairs (col0, col0+1) and (col0+2, col0+3))."""
+    if x_order == "rows":
+        store4(row_addr + Int64(col0) * 2, values, "float16")
+        return
+    for h in range(2):
+        word = x_fragment_slot(col0 + 2 * h) // 2  # an even column and the next share one word in either order
+        ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[2 * h], values[2 * h + 1], "float16"))
+
+
 def store4(addr, values, dtype: str):
     """Four Float32 to consecutive fp16/bf16 (one 8-byte store) or fp32 (one 16-byte store) at ``addr``."""
     if dtype == "float32":
@@ -85,6 +99,7 @@ class RouteInputRotationConfig:
     x_dtype: str  # "float16" | "bfloat16"
     routes_per_token: int = 1  # k'
     slot_groups: int = 1  # CTAs (grid z) that share a token's route slots
+    x_order: str = "rows"  # X's column order (the gate/up GEMM's)
 
     @property
     def slots_per_warp(self) -> int:
@@ -135,8 +150,8 @@ class RouteInputRotation:
                     for plane in cutlass.range_constexpr(2):
                         suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
-                        addr = mXr.iterator.toint() + ((Int64(plane) * mXr.shape[1] + row) * h_p + col0) * 2
-                        store4(addr, v, "float16")
+                        store_x_quad(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * h_p * 2, col0, v,
+                                     self.cfg.x_order)
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
                         mRouteRow[route] = row
@@ -145,6 +160,7 @@ class RouteInputRotation:
 @dataclass(frozen=True)
 class IntermediateConfig:
     splits: int  # K splits of the gate/up GEMM
+    x_order: str = "rows"  # X2's column order (the down GEMM's)
 
 
 class Intermediate:
@@ -168,10 +184,10 @@ class Intermediate:
         row = rows * ROWS_PER_CTA + tid // 32
         route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row, block_rows)
         if route >= 0 and p >= 0:
-            intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, self.cfg.splits)
+            intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, self.cfg.splits, self.cfg.x_order)
 
 
-def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int):
+def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str):
     """One warp, packed row ``row`` of group row ``p``, 128-column block ``block`` of the intermediate (above):
     ``X2[row, block] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``. The ``Intermediate``
     kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
@@ -189,7 +205,7 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
         hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
         h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
     v = hadamard128(h, lane)
-    store4(mX2.iterator.toint() + (Int64(row) * inter_p + col0) * 2, v, "float16")
+    store_x_quad(mX2.iterator.toint() + Int64(row) * inter_p * 2, col0, v, x_order)
 
 
 @dataclass(frozen=True)
@@ -232,15 +248,55 @@ class TopKSum:
             parts = [summed(mP, row, cols[b], lane, self.cfg.splits) for b in range(per_cta)]
             svh = [load4(mSvh, svh_row, cols[b] + 4 * lane) for b in range(per_cta)]
             for b in cutlass.range_constexpr(per_cta):
-                v = hadamard128(parts[b], lane)
-                for i in cutlass.range_constexpr(4):
-                    sTerm[(b * k + j) * 128 + 4 * lane + i] = weight * (v[i] * svh[b][i])
+                park_term(sTerm, (b * k + j) * 128, weight, parts[b], svh[b], lane)
         cute.arch.sync_threads()
         for b in cutlass.range(warp, per_cta, self.warps):
-            col0 = (group * per_cta + b) * 128 + 4 * lane
-            if col0 < mY.shape[1]:
-                acc = [sTerm[b * k * 128 + 4 * lane + i] for i in range(4)]
-                for j in cutlass.range_constexpr(1, k):
-                    acc = [acc[i] + sTerm[(b * k + j) * 128 + 4 * lane + i] for i in range(4)]
-                size = 4 if self.cfg.out_dtype == "float32" else 2
-                store4(mY.iterator.toint() + (Int64(tok) * mY.shape[1] + col0) * size, acc, self.cfg.out_dtype)
+            store_token_block(sTerm, b * k * 128, k, mY, tok, (group * per_cta + b) * 128, lane,
+                              self.cfg.out_dtype)
+
+
+def park_term(sTerm, at, weight, summed_part, svh, lane):
+    """Slot term ``weight * H128(sum of the splits) * down_svh`` of one 128-column block into ``sTerm[at ..]``
+    (the lane's 4 columns). Traced inline."""
+    v = hadamard128(summed_part, lane)
+    for i in range(4):
+        sTerm[at + 4 * lane + i] = weight * (v[i] * svh[i])
+
+
+@cute.jit
+def store_token_block(sTerm: cute.Tensor, at: Int32, k: cutlass.Constexpr, mY: cute.Tensor, tok: Int32,
+                      col_block0: Int32, lane: Int32, out_dtype: cutlass.Constexpr):
+    """``y[tok, block]`` = the ``k`` parked slot terms at ``sTerm[at ..]`` summed in slot order (one warp)."""
+    col0 = col_block0 + 4 * lane
+    if col0 < mY.shape[1]:
+        acc = [sTerm[at + 4 * lane + i] for i in range(4)]
+        for j in cutlass.range_constexpr(1, k):
+            acc = [acc[i] + sTerm[at + j * 128 + 4 * lane + i] for i in range(4)]
+        size = 4 if out_dtype == "float32" else 2
+        store4(mY.iterator.toint() + (Int64(tok) * mY.shape[1] + col0) * size, acc, out_dtype)
+
+
+@cute.jit
+def topk_sum_block(cfg: cutlass.Constexpr, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor,
+                   mIds: cute.Tensor, mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor, sTerm: cute.Tensor,
+                   tok: Int32, block: Int32, warp: Int32, warps: cutlass.Constexpr, lane: Int32):
+    """``TopKSum``'s work for one token and one 128-column block by a CTA of ``warps`` warps (the down GEMM's fused
+    tail at decode; ``cfg`` its ``TopKSumConfig``): the same terms, parked and summed in the same order, so y is
+    bit-identical."""
+    k = cfg.routes_per_token
+    per_warp = -(-k // warps)
+    # a warp's slots j = warp, warp + warps, ..: every index, then every partial and scale load before the first
+    # butterfly (the loads of a slot depend on its indices: one round trip each, not one per slot)
+    slots = []
+    for jj in cutlass.range_constexpr(per_warp):
+        jc = cutlass.min(warp + jj * warps, k - 1)  # past the last slot: slot k'-1 again, never parked
+        slots.append((mRouteRow[tok * k + jc], mSvhRow[mIds[tok, jc]], Float32(mW[tok, jc])))
+    parts = [summed(mP, row, block * 128, lane, cfg.splits) for row, _, _ in slots]
+    svh = [load4(mSvh, svh_row, block * 128 + 4 * lane) for _, svh_row, _ in slots]
+    for jj in cutlass.range_constexpr(per_warp):
+        j = warp + jj * warps
+        if j < k:
+            park_term(sTerm, j * 128, slots[jj][2], parts[jj], svh[jj], lane)
+    cute.arch.sync_threads()
+    if warp == 0:
+        store_token_block(sTerm, 0, k, mY, tok, block * 128, lane, cfg.out_dtype)

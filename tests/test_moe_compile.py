@@ -71,6 +71,26 @@ def test_gate_up_gemm_rotating_its_own_input(x_dtype, splits):
         dataclasses.replace(gemm_config(4.0, "mcg", 1, 8), input=x_dtype, resident_k_tiles=32)
 
 
+@pytest.mark.parametrize("routes,out_dtype,splits", [(8, "float16", 3), (9, "bfloat16", 1), (33, "float32", 2)])
+@pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (2.0, "mul1")])
+def test_down_gemm_with_the_topk_sum_fused(bits, codebook, routes, out_dtype, splits):
+    """M = 1: the down GEMM's last CTA per 128 columns does the top-k sum (arrival counter, the sum's one 128-wide
+    rotation per slot and its split sums from L2), its slot terms in the idle weight stages where they fit."""
+    plain = gemm_config(bits, codebook, 1, 8)
+    cfg = dataclasses.replace(plain, topk_sum=TopKSumConfig(routes, out_dtype, splits))
+    ptx, plain_ptx = ptx_of(cfg), ptx_of(plain)
+    assert "atom.global.add.u32" in ptx and "fence.acq_rel.gpu" in ptx and "atom.global" not in plain_ptx
+    per_warp = -(-routes // cfg.warps)  # a warp's slots, unrolled: their loads issued before the first butterfly
+    assert ptx.count("shfl.sync.bfly") == 5 * 4 * per_warp and ptx.count("ld.global.cg.v4.f32") == splits * per_warp
+    assert ptx.count(MMA) == plain_ptx.count(MMA) and cfg.smem_bytes <= SMEM_LIMIT_BYTES
+    stage_words = plain.mainloop.stages * plain.mainloop.w_stage_words
+    assert cfg.extra_term_words == (128 * routes if 128 * routes > stage_words else 0)
+    assert cfg.smem_bytes == plain.smem_bytes + 4 * cfg.extra_term_words
+    for wrong in (dict(planes=2), dict(token_groups=2)):  # gate/up, or more than one token group
+        with pytest.raises(ValueError):
+            dataclasses.replace(cfg, **wrong)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_grouped_gemm_other_archs(arch):
     assert MMA in ptx_of(MoEGemmConfig(4.0, "mcg", 2, token_groups=2), arch)
@@ -131,14 +151,18 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
 
 @pytest.mark.parametrize("config", [RouteInputRotationConfig("float16", 8), RouteInputRotationConfig("bfloat16", 9),
                                     RouteInputRotationConfig("float16", 8, 8), RouteInputRotationConfig("bfloat16", 9, 9),
-                                    IntermediateConfig(1), IntermediateConfig(4), TopKSumConfig(8, "float16", 3),
+                                    RouteInputRotationConfig("float16", 8, 1, "fragments"),
+                                    IntermediateConfig(1), IntermediateConfig(4), IntermediateConfig(2, "fragments"),
+                                    TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
                                     TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4)], ids=str)
 def test_rotations_compile(config):
     ptx = ptx_of(config)
     assert ptx.count("shfl.sync.bfly") >= 5 * 4
-    # 8-byte (16-bit values) or 16-byte (fp32 output) vector stores, never scalar ones
-    assert "st.global.v2.b32" in ptx or "st.global.v4.f32" in ptx
+    if getattr(config, "x_order", "rows") == "fragments":  # a GEMM input in fragment order: two column pairs apart
+        assert "st.global.u32" in ptx and "st.global.v2.b32" not in ptx
+    else:  # 8-byte (16-bit values) or 16-byte (fp32 output) vector stores
+        assert "st.global.v2.b32" in ptx or "st.global.v4.f32" in ptx
     assert "st.global.b16" not in ptx and "st.global.u16" not in ptx
 
 

@@ -1,5 +1,5 @@
 """The fused MoE layer on the GPU: routing, both grouped decode GEMMs and the top-k sum in 2 + 4*groups launches,
-fewer where the gate/up GEMM takes over the steps around it (``MoEPlan.launches``: 2 + 2*groups at decode).
+fewer where the GEMMs take over the steps around them (``MoEPlan.launches``: 1 + 2*groups at decode).
 
     DeviceMoE.from_layer(moe_layer, device)    the stacked expert groups as the kernels read them: zero-copy
                                                from ``load_prepared(..., device="cuda").moe(n)`` (or a source
@@ -18,6 +18,7 @@ Per call (no host sync, no allocation; CUDA-graph capturable once each M was run
                 a one-wave gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
   5 down        decode GEMM from w2 (split-K partials, fp32)
   6 top-k sum   per token: output rotation * down_svh of each route's expert, weighted, summed in slot order
+                (one token: in the last down GEMM CTA per 128 columns, over every group's launch, no launch)
 Each token's result depends only on its own routes (rows are computed independently, sums in fixed order), so
 it does not depend on the rest of the batch for a given plan and M.
 """
@@ -47,6 +48,11 @@ BLOCK_ROWS = (8, 16, 32, 64, 128)  # route block = GEMM tokens per CTA, by the m
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
 # H200, E=128 top-8 2048x768 K=4, M=4096, whole layer: 64-row private blocks 2140 us, 128-row shared 1805.
 GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
+# Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
+# token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
+# two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
+# -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777).
+FRAGMENT_ORDER_ROWS = (32, 64)
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
 # overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
@@ -55,6 +61,11 @@ FUSED_INTERMEDIATE_ROWS = 8
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
 RESIDENT_INPUT_TOKENS = 1
+# Up to this many tokens (one) the down GEMM's last CTA per 128 columns does the top-k sum instead of a TopKSum
+# launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count).
+FUSED_TOPK_TOKENS = 1
+# Stand-ins in a planned launch's arguments for the call's own x and y.
+X_ARG, Y_ARG = object(), object()
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -215,7 +226,18 @@ def resident_input(tokens: int, given: bool) -> bool:
     return tokens <= RESIDENT_INPUT_TOKENS and not given
 
 
+def fused_topk(tokens: int, given: bool) -> bool:
+    """Does the down GEMM do the top-k sum? One token routed by the router: its k' routes in k' blocks."""
+    return tokens <= FUSED_TOPK_TOKENS and not given
+
+
+def x_order(block_rows: int) -> str:
+    """Column order of X and X2 (both GEMMs' inputs) for route blocks of ``block_rows``."""
+    return "fragments" if block_rows in FRAGMENT_ORDER_ROWS else "rows"
+
+
 def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, **fields) -> MoEGemmConfig:
+    fields.setdefault("x_order", x_order(block_rows))
     return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}),
                          **fields)
 
@@ -292,7 +314,8 @@ class MoEPlan:
     def launches(self, tokens: int, given: bool = False) -> int:
         """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
         fused = step_shape(self.dmoe, tokens, self.sm_count).fused_intermediate
-        return 2 + (4 - fused - resident_input(tokens, given)) * len(self.dmoe.groups)
+        per_group = 4 - fused - resident_input(tokens, given)
+        return 1 + (not fused_topk(tokens, given)) + per_group * len(self.dmoe.groups)
 
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
@@ -323,10 +346,20 @@ class MoEPlan:
         # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
         # (decode), a warp per slot instead (x re-read from L2).
         slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
-        rot = None if resident else K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups),
-                                               arch)
-        inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13), arch)
+        order = x_order(s.block_rows)
+        rot = None if resident else K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups,
+                                                                        order), arch)
+        inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13, order), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
+        # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
+        # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
+        # CTAs of 4 blocks instead of 16: 2.6 -> 3.3).
+        col_blocks = h_p // 128
+        per_cta = SUM_BLOCKS_PER_CTA if tokens * col_blocks >= 8 * SUM_BLOCKS_PER_CTA * self.sm_count else 1
+        topk = TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype], s.splits2, per_cta)
+        topk_fused = fused_topk(tokens, given)
+        # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
+        (topk_counter,) = counters.views(d.device, ((col_blocks,), torch.int32))
         for g in d.groups:
             i_p = g.intermediate_padded
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
@@ -340,31 +373,32 @@ class MoEPlan:
             # (row_route also when the GEMM writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if resident else None, None, 0)
             if s.fused_intermediate:
-                (counter,) = counters.views(self.dmoe.device, ((s.blocks * (i_p // 128),), torch.int32))
+                _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
+                                            ((s.blocks * (i_p // 128),), torch.int32))
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
             prologue = (g.gate_suh, g.up_suh, ids, route_row) if resident else ()
-            gate_up = (None if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
+            gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
                        *tail, *prologue)
             if resident:
                 g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13,
                               split_halves=split_halves(arch, g.w13_codebook, 1))
             else:
-                step.launches.append((K.launch_input_rotation, rot, (None, g.gate_suh, g.up_suh, xr, ids, rank,
+                step.launches.append((K.launch_input_rotation, rot, (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank,
                                                                      self.expert_row, g.group_row, row_route,
                                                                      route_row)))
             step.launches.append((K.launch_gemm, K.compiled(g13, arch), gate_up))
             if not s.fused_intermediate:
                 step.launches.append((K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert,
                                                                      g.group_row, g.intermediate, s.block_rows)))
-            step.launches.append((K.launch_gemm, K.compiled(g2, arch), (K.as_words(x2).unsqueeze(0), g.w2, p2,
-                                                                       block_expert, g.group_row, per2)))
-        # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
-        # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
-        # CTAs of 4 blocks instead of 16: 2.6 -> 3.3).
-        col_blocks = h_p // 128
-        per_cta = SUM_BLOCKS_PER_CTA if tokens * col_blocks >= 8 * SUM_BLOCKS_PER_CTA * self.sm_count else 1
-        topk = TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype], s.splits2, per_cta)
-        step.final = (K.compiled(topk, arch), p2, ids, weights, route_row)
+            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, per2)
+            if topk_fused:  # the sum's arguments: counters, ids, route_row, down_svh, svh_row, weights, y
+                g2 = replace(g2, topk_sum=topk)
+                down += (None, None, None, topk_counter, 0, None, None, ids, route_row, d.down_svh, d.svh_row,
+                         weights, Y_ARG)
+            step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))
+        if not topk_fused:
+            step.launches.append((K.launch_topk_sum, K.compiled(topk, arch), (p2, d.down_svh, d.svh_row, ids,
+                                                                              weights, route_row, Y_ARG)))
         return step
 
 
@@ -396,11 +430,9 @@ def moe_forward(x: torch.Tensor, plan: MoEPlan, out: torch.Tensor | None = None,
     gi, gw = (topk_ids, topk_weights) if given else (plan.dummy_i32, plan.dummy_f32)
     K.launch_route(fn, x, d.router, bias, gi, gw, logits, ids, weights, rank, plan.counters, plan.counts,
                    plan.expert_row, block_expert, row_route, step.shape.block_rows)
-    for launch, fn, args in step.launches:
-        launch(fn, *((x,) + args[1:] if args[0] is None else args))
     y = step.y if out is None else out
-    fn, p2, ids, weights, route_row = step.final
-    K.launch_topk_sum(fn, p2, d.down_svh, d.svh_row, ids, weights, route_row, y)
+    for launch, fn, args in step.launches:
+        launch(fn, *[x if a is X_ARG else y if a is Y_ARG else a for a in args])
     return y
 
 

@@ -43,18 +43,23 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     rows = cute.sym_int()
     words = int(16 * cfg.bits) // 2
     x = fake_tensor(I32, cfg.planes, rows, None)
-    prologue = [None] * 4
-    if cfg.input is not None:  # x itself; gate and up suh, topk_ids, route_row
+    suh, routes, topk = [None] * 2, [None] * 2, [None] * 4
+    if cfg.input is not None:  # x itself; gate and up suh
         x = fake_tensor(_CUTE[cfg.input], 1, None, align=2)
-        prologue = [fake_tensor(F16, None, None, align=2), fake_tensor(F16, None, None, align=2),
-                    fake_tensor(I32, 1, None), fake_tensor(I32, None)]
+        suh = [fake_tensor(F16, None, None, align=2), fake_tensor(F16, None, None, align=2)]
+    if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row
+        routes = [fake_tensor(I32, 1, None), fake_tensor(I32, None)]
+    if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y
+        topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, 1, None),
+                fake_tensor(_CUTE[cfg.topk_sum.out_dtype], 1, None)]
     args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), fake_tensor(F32, None, rows, None),
             fake_tensor(I32, None), fake_tensor(I32, None), 0]
-    tail = [None] * 3
-    if cfg.intermediate_splits:  # rotations, X2, counters
-        tail = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None), fake_tensor(I32, None)]
+    inter = [None] * 2
+    if cfg.intermediate_splits:  # rotations, X2
+        inter = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None)]
     row_route = fake_tensor(I32, rows) if cfg.intermediate_splits or cfg.input is not None else None
-    return _compile(MoEGemm(cfg), args + tail[:2] + [row_route, tail[2], 0] + prologue, options)
+    counter = fake_tensor(I32, None) if cfg.intermediate_splits or cfg.topk_sum is not None else None
+    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk, options)
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
@@ -99,9 +104,9 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
                 x2=None, row_route=None, counters=None, inter_true: int = 0, gate_suh=None, up_suh=None, ids=None,
-                route_row=None):
+                route_row=None, svh=None, svh_row=None, weights=None, y=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
-       inter_true, gate_suh, up_suh, ids, route_row)
+       inter_true, gate_suh, up_suh, ids, route_row, svh, svh_row, weights, y)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

@@ -161,10 +161,11 @@ def synthetic(tmp_path_factory):
 def test_synthetic_layers_match_the_reference(synthetic, name):
     moe, dmoe, plan = run_layer(synthetic(name), 0, SYNTHETIC[name][1])
     if name == "two-groups-k3-k5":
-        assert len(dmoe.groups) == 2 and plan.launches(1) == 6  # route, 2 per group, top-k sum
+        assert len(dmoe.groups) == 2 and plan.launches(1) == 5  # route, 2 per group (top-k sum in the down GEMMs)
     if name == "qwen3-30b-shape-k4-mcg":
-        # decode: the gate/up GEMM rotates x and does the intermediate; from M=16 (several waves) both launch
-        assert plan.launches(1) == 4 and plan.launches(1, given=True) == 5
+        # decode: the gate/up GEMM rotates x and does the intermediate, the down GEMM the top-k sum (given ids:
+        # the intermediate only); from M=16 (several waves) every step launches
+        assert plan.launches(1) == 3 and plan.launches(1, given=True) == 5
         assert plan.launches(16) == plan.launches(4096) == 6
 
 
@@ -220,30 +221,50 @@ def test_graph_replay_is_bit_identical_without_host_sync(synthetic):
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1,)), ("k3.5-mul1-shared-gated", (1, 5)),
                                      ("two-groups-k3-k5", (1, 2))])
-def test_steps_fused_into_the_gate_up_gemm_are_bit_identical_to_their_launches(synthetic, name, ms, monkeypatch):
+def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(synthetic, name, ms, monkeypatch):
     """At decode the gate/up GEMM rotates x itself (M = 1: prologue, each expert's suh) and does the intermediate
-    (one-wave grid: its last CTA per 128 columns), shared experts' group included. Each is bit-identical to the
-    launch it replaces (split halves off: they round each weight differently), also on a second call (arrival
-    counters back at zero), and the launch count says which ran."""
+    (one-wave grid: its last CTA per 128 columns), and the down GEMM does the top-k sum (M = 1: its last CTA per
+    128 columns over every group's launch), shared experts' group included. Each is bit-identical to the launch
+    it replaces (split halves off: they round each weight differently), also on a second call (arrival counters
+    back at zero), and the launch count says which ran."""
     monkeypatch.setattr(moe_ops, "split_halves", lambda *args: False)
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     groups = len(dmoe.groups)
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
-        for resident_tokens, fused_rows in ((1, 8), (0, 8), (1, 0), (0, 0)):
+        for resident_tokens, fused_rows, topk_tokens in ((1, 8, 1), (0, 8, 0), (1, 0, 0), (0, 0, 1), (0, 0, 0)):
             with monkeypatch.context() as patch:
                 patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident_tokens)
                 patch.setattr(moe_ops, "FUSED_INTERMEDIATE_ROWS", fused_rows)
+                patch.setattr(moe_ops, "FUSED_TOPK_TOKENS", topk_tokens)
                 plan = plan_moe(dmoe, max(ms))
                 assert plan.step(m, False).shape.fused_intermediate == (fused_rows > 0)  # one-wave grids here
-                assert plan.launches(m) == 2 + (4 - (m <= resident_tokens) - (fused_rows > 0)) * groups
+                per_group = 4 - (m <= resident_tokens) - (fused_rows > 0)
+                assert plan.launches(m) == 1 + (m > topk_tokens) + per_group * groups
                 poison(plan)
                 y = moe_forward(x, plan).clone()
                 poison(plan)
                 assert torch.equal(moe_forward(x, plan), y)
                 outs.append(y)
         assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
+
+
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 256), ("hidden-intermediate-4096", 64)])
+def test_x_column_order_changes_no_bit(synthetic, name, m, monkeypatch):
+    """32- and 64-row route blocks keep X and X2 in the GEMMs' fragment order: the same MMA operands, so y is
+    bit-identical to row order."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for rows in (moe_ops.FRAGMENT_ORDER_ROWS, ()):
+        with monkeypatch.context() as patch:
+            patch.setattr(moe_ops, "FRAGMENT_ORDER_ROWS", rows)
+            plan = plan_moe(dmoe, m)
+            assert (moe_ops.x_order(plan.step(m, False).shape.block_rows) == "fragments") == bool(rows)
+            poison(plan)
+            outs.append(moe_forward(x, plan).clone())
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
 def test_each_token_is_independent_of_the_batch(synthetic):
