@@ -109,7 +109,8 @@ def compiled(cfg, arch: str):
 # capture).
 
 
-def _ffi(t: torch.Tensor | None):
+def to_ffi(t: torch.Tensor | None):
+    """A persistent tensor as TVM FFI's own (its DLPack conversion done once, not at every launch)."""
     return None if t is None else tvm_ffi.from_dlpack(t)
 
 
@@ -117,10 +118,10 @@ def gemm_launcher(fn, xr: torch.Tensor, words: torch.Tensor, partials: torch.Ten
                   svh: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   counters: torch.Tensor | None = None):
     """``launch()`` without a fused output rotation, ``launch(y)`` with one (svh, bias, counters given)."""
-    x_words, w, p = xr.view(torch.int32), _ffi(words), _ffi(partials)
+    x_words, w, p = xr.view(torch.int32), to_ffi(words), to_ffi(partials)
     if svh is None:
         return lambda: fn(x_words, w, p, k_tiles_per_split, None, None, None, None, None)
-    s, b, c = _ffi(svh), _ffi(bias), _ffi(counters)
+    s, b, c = to_ffi(svh), to_ffi(bias), to_ffi(counters)
     return lambda y: fn(x_words, w, p, k_tiles_per_split, s, b, y, c, None)
 
 
@@ -128,23 +129,23 @@ def rotating_gemm_launcher(fn, suh: torch.Tensor, words: torch.Tensor, partials:
                            k_tiles_per_split: int, svh: torch.Tensor, bias: torch.Tensor | None,
                            counters: torch.Tensor):
     """``launch(x, y)``: the M = 1 GEMM that rotates x itself (``GemmConfig.input``), output rotation fused."""
-    u, w, p, s, b, c = _ffi(suh), _ffi(words), _ffi(partials), _ffi(svh), _ffi(bias), _ffi(counters)
+    u, w, p, s, b, c = to_ffi(suh), to_ffi(words), to_ffi(partials), to_ffi(svh), to_ffi(bias), to_ffi(counters)
     return lambda x, y: fn(x, w, p, k_tiles_per_split, s, b, y, c, u)
 
 
 def dequant_launcher(fn, words: torch.Tensor, out_t: torch.Tensor):
     """``launch()``: W_hat^T fp16 ``(out_p, in_p)`` into ``out_t``."""
-    w, out_words = _ffi(words), out_t.view(torch.int32)
+    w, out_words = to_ffi(words), out_t.view(torch.int32)
     return lambda: fn(w, out_words)
 
 
 def input_rotation_launcher(fn, suh: torch.Tensor, xr: torch.Tensor):
     """``launch(x)``: ``xr = H128(x * suh)``."""
-    s, r = _ffi(suh), _ffi(xr)
+    s, r = to_ffi(suh), to_ffi(xr)
     return lambda x: fn(x, s, r)
 
 
 def output_rotation_launcher(fn, partials: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None):
     """``launch(y)``: ``y = H128(sum of partials) * svh + bias``."""
-    p, s, b = _ffi(partials), _ffi(svh), _ffi(bias)
+    p, s, b = to_ffi(partials), to_ffi(svh), to_ffi(bias)
     return lambda y: fn(p, s, b, y)

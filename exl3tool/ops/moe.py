@@ -36,6 +36,7 @@ from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import moe_kernels as K
+from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import split_halves
 from exl3tool.ops.workspace import counters
@@ -341,7 +342,10 @@ class MoEPlan:
         xr = self.xr[: 2 * rows * h_p].view(2, rows, h_p)
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
-        step.route = (K.compiled(route_cfg, arch), logits, ids, weights, rank, block_expert, row_route, bias)
+        step.route = (K.compiled(route_cfg, arch), *map(to_ffi, (d.router, bias, self.dummy_i32, self.dummy_f32,
+                                                                  logits, ids, weights, rank, self.counters,
+                                                                  self.counts, self.expert_row, block_expert,
+                                                                  row_route)))
         resident = resident_input(tokens, given)
         # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
         # (decode), a warp per slot instead (x re-read from L2).
@@ -399,7 +403,17 @@ class MoEPlan:
         if not topk_fused:
             step.launches.append((K.launch_topk_sum, K.compiled(topk, arch), (p2, d.down_svh, d.svh_row, ids,
                                                                               weights, route_row, Y_ARG)))
+        step.launches = [(launch, fn, persistent(args)) for launch, fn, args in step.launches]
         return step
+
+
+def persistent(args: tuple) -> tuple:
+    """A planned launch's arguments with its tensors handed to TVM FFI once, as the dense launchers do
+    (``launch.to_ffi``), but one: the call's x or y where it takes one, else its first tensor, stays a torch
+    tensor, from which TVM FFI takes torch's current stream (graph capture included)."""
+    keep = None if any(a is X_ARG or a is Y_ARG for a in args) else next(
+        i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    return tuple(to_ffi(a) if isinstance(a, torch.Tensor) and i != keep else a for i, a in enumerate(args))
 
 
 def _per_split(k_tiles: int, splits: int, stage: int) -> int:
@@ -426,10 +440,9 @@ def moe_forward(x: torch.Tensor, plan: MoEPlan, out: torch.Tensor | None = None,
         raise ValueError(f"{d.name}: {tokens} tokens; this plan takes 1..{plan.max_tokens}")
     given = topk_ids is not None
     step = plan.step(tokens, given)
-    fn, logits, ids, weights, rank, block_expert, row_route, bias = step.route
-    gi, gw = (topk_ids, topk_weights) if given else (plan.dummy_i32, plan.dummy_f32)
-    K.launch_route(fn, x, d.router, bias, gi, gw, logits, ids, weights, rank, plan.counters, plan.counts,
-                   plan.expert_row, block_expert, row_route, step.shape.block_rows)
+    fn, router, bias, no_ids, no_weights, *scratch = step.route
+    gi, gw = (topk_ids, topk_weights) if given else (no_ids, no_weights)
+    K.launch_route(fn, x, router, bias, gi, gw, *scratch, step.shape.block_rows)
     y = step.y if out is None else out
     for launch, fn, args in step.launches:
         launch(fn, *[x if a is X_ARG else y if a is Y_ARG else a for a in args])
