@@ -73,7 +73,7 @@ def test_json_schema():
     data = json.loads(json.dumps(hand_made_report().to_json(), allow_nan=False))  # no NaN/Infinity in it
     assert data["schema"] == "exl3tool.bench/1"
     assert set(data["environment"]) == {"gpu", "arch", "device", "sm_count", "l2_bytes", "copy_tbs", "torch",
-                                        "cuda", "commit", "date"}
+                                        "cuda", "commit", "date", "source"}
     assert data["settings"]["modes"] == ["graph", "eager"] and data["settings"]["peers"] == ["exllamav3"]
     case = data["cases"][0]
     assert {"kind", "name", "group", "shape", "in_features", "out_features", "bits", "codebook", "tokens",
@@ -210,3 +210,32 @@ def test_json_round_trip():
     assert again.cases[0].results[0].timing == Timing(20.0, 19.0, 22.0, 3.0, 30)
     with pytest.raises(ValueError):
         BenchReport.from_json({"schema": "exl3tool.verify/1"})
+
+
+def test_source_digest_names_the_code(tmp_path):
+    """The report names the code that ran by its bytes, where git's metadata cannot (the GPU machine's copy)."""
+    from exl3tool.bench.timing import source_digest
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        (root / "pkg" / "__pycache__").mkdir(parents=True)
+        (root / "pkg" / "mod.py").write_text("x = 1\n")
+        (root / "top.py").write_text("y = 2\n")
+    (b / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\0")  # not source
+    assert source_digest([a]) == source_digest([b]) and len(source_digest([a])) == 12
+    (b / "pkg" / "mod.py").write_text("x = 3\n")
+    assert source_digest([a]) != source_digest([b])
+    (b / "pkg" / "mod.py").write_text("x = 1\n")
+    (b / "pkg" / "mod.py").rename(b / "pkg" / "other.py")  # same bytes, another module
+    assert source_digest([a]) != source_digest([b])
+
+
+def test_reports_name_their_source_and_older_ones_still_load():
+    data = hand_made_report().to_json()
+    assert data["environment"]["source"] is None
+    data["environment"]["source"] = "01feb951fc55"
+    out = io.StringIO()
+    render_human(BenchReport.from_json(data), Console(file=out, width=200))
+    assert "commit abc123, source 01feb951fc55;" in out.getvalue()
+    del data["environment"]["source"]  # a report written before the field existed
+    assert BenchReport.from_json(data).environment.source is None

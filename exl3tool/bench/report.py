@@ -155,6 +155,7 @@ class Environment:
     cuda: str | None
     commit: str | None
     date: str  # UTC, ISO 8601
+    source: str | None = None  # timing.source_digest() of the code that ran (absent in reports before it)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ at the same clocks.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import statistics
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -117,6 +119,21 @@ def git_commit() -> str | None:
         return None
 
 
+def source_digest(roots: list[Path] | None = None) -> str:
+    """The first 12 hex digits of a SHA-256 over the Python sources that ran (exl3tool and its kernels: relative
+    paths and bytes, in path order): it names the code of a report also where git's metadata is stale or absent."""
+    if roots is None:
+        import exl3tool
+        import exl3tool.kernels
+
+        roots = [Path(exl3tool.__file__).parent, Path(exl3tool.kernels.__file__).parent]
+    h = hashlib.sha256()
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def environment(device: torch.device, arch: str) -> Environment:
     with torch.cuda.device(device):
         props = torch.cuda.get_device_properties(device)
@@ -124,5 +141,5 @@ def environment(device: torch.device, arch: str) -> Environment:
     return Environment(
         gpu=props.name, arch=arch, device=str(device), sm_count=props.multi_processor_count,
         l2_bytes=props.L2_cache_size, copy_tbs=copy_tbs, torch=torch.__version__, cuda=torch.version.cuda,
-        commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=git_commit(), source=source_digest(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

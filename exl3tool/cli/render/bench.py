@@ -38,8 +38,8 @@ def _implementations(cases: list[Case]) -> list[str]:
 def render_human(report: BenchReport, console: Console) -> None:
     e, s = report.environment, report.settings
     console.print(safe(f"{e.gpu} ({e.arch}, {e.sm_count} SMs, L2 {size(e.l2_bytes)}), copy bandwidth "
-                       f"{e.copy_tbs:.2f} TB/s; torch {e.torch}, CUDA {e.cuda or '-'}; commit {e.commit or '-'}; "
-                       f"{e.date}"))
+                       f"{e.copy_tbs:.2f} TB/s; torch {e.torch}, CUDA {e.cuda or '-'}; commit {e.commit or '-'}"
+                       f"{f', source {e.source}' if e.source else ''}; {e.date}"))
     console.print(safe(f"{s.dtype} activations, seed {s.seed}; graph: median of {s.replays} CUDA-graph replays, "
                        f"eager: the same calls launched from Python; weights rotated past {s.l2_multiple}x the L2. "
                        "vs X = X's median / this median (above 1: faster than X)."))
