@@ -28,7 +28,7 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .rotate import hadamard128
-from .trellis import x_fragment_slot
+from .trellis import x_pair_word
 
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
@@ -81,7 +81,7 @@ def store_x_quad(row_addr, col0, values, x_order: str):
         store4(row_addr + Int64(col0) * 2, values, "float16")
         return
     for h in range(2):
-        word = x_fragment_slot(col0 + 2 * h) // 2  # an even column and the next share one word in either order
+        word = x_pair_word(col0 + 2 * h, x_order)
         ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[2 * h], values[2 * h + 1], "float16"))
 
 

@@ -17,7 +17,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .trellis import X_ORDERS, x_fragment_slot
+from .trellis import X_ORDERS, x_fragment_slot, x_pair_word
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
@@ -75,8 +75,7 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
         b = warp + r * warps
         if b < n_blocks:
             for h in cutlass.range_constexpr(2):
-                e = b * 128 + 4 * lane + 2 * h  # even: its pair (e, e + 1) is one word in either order
-                word = e // 2 if cutlass.const_expr(x_order == "rows") else x_fragment_slot(e) // 2
+                word = x_pair_word(b * 128 + 4 * lane + 2 * h, x_order)
                 sX[word] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1], "float16")
 
 

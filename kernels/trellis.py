@@ -279,6 +279,12 @@ def x_fragment_slot(e):
     return 2 * (((e >> 5) << 4) + 4 * q + 2 * ((e >> 4) & 1) + hi8) + odd
 
 
+def x_pair_word(e, x_order: str):
+    """The 32-bit word of an X row holding its even column ``e`` and column ``e + 1`` (a pair stays one word in
+    either order), in ``x_order``: what every writer of a GEMM input uses. ``e`` as in ``x_fragment_slot``."""
+    return e // 2 if x_order == "rows" else x_fragment_slot(e) // 2
+
+
 def mma_a_fragment(pairs):
     """The lane's pairs in the A-operand order of ``mma.m16n8k16`` with A = W_hat^T (rows = output columns).
 

@@ -373,7 +373,7 @@ class MoEPlan:
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
-            # launch_gemm's arguments: x (None: the call's own x) or the rotated X, the fused intermediate's tail
+            # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
             # (row_route also when the GEMM writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if resident else None, None, 0)
             if s.fused_intermediate:
