@@ -55,16 +55,28 @@ def target_arch(device: torch.device | str | None = None) -> str:
 
 
 def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
-    """``build(options)`` once per (key, arch); the result is reused for every later call."""
+    """``build(options)`` once per (key, arch); the result is reused for every later call.
+
+    Returned as ``direct_function`` of it: callers pass every argument positionally, as the launchers do."""
     full_key = (*key, arch)
-    compiled = _cache.get(full_key)
-    if compiled is None:
+    entry = _cache.get(full_key)
+    if entry is None:
         with _lock:
-            compiled = _cache.get(full_key)
-            if compiled is None:
+            entry = _cache.get(full_key)
+            if entry is None:
                 compiled = build(f"{COMPILE_OPTIONS} --gpu-arch={arch}")
-                _cache[full_key] = compiled
-    return compiled
+                entry = _cache[full_key] = (compiled, direct_function(compiled))
+    return entry[1]
+
+
+def direct_function(compiled: Any) -> Any:
+    """The TVM FFI function inside a compiled kernel, where it has one (a GPU is present): called with every
+    argument positionally it skips the DSL's Python keyword-argument wrapper, about 1 us of host time per launch
+    (H200 host: MoE GEMM launch 5.98 -> 4.80 us, a 1-tensor kernel 4.70 -> 4.06). The compiled object itself
+    stays in the cache, which keeps its module loaded."""
+    inner = getattr(compiled, "__tvm_ffi_object__", None)
+    function = inner() if inner is not None else None
+    return compiled if function is None else function
 
 
 def compile_with_ptx(build: Callable[[str], Any], arch: str) -> str:
