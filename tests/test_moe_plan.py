@@ -28,7 +28,8 @@ def pack(ids: np.ndarray, experts: int, block_rows: int):
 
 def moe(num_experts=128, top_k=8, shared="none", hidden_p=2048, inter_p=768):
     cfg = MoERouteConfig("softmax_topk", num_experts, top_k, shared=shared)
-    return SimpleNamespace(route=cfg, hidden_padded=hidden_p, groups=[SimpleNamespace(intermediate_padded=inter_p)])
+    group = SimpleNamespace(intermediate_padded=inter_p, w13_codebook="mcg")
+    return SimpleNamespace(route=cfg, hidden_padded=hidden_p, groups=[group])
 
 
 def routings(tokens: int, experts: int, k: int, rng):

@@ -37,3 +37,16 @@ def test_plan_fills_a_whole_wave(arch, sms, shape, tokens, bits):
     assert (plan.splits - 1) * plan.k_tiles_per_split < k_tiles <= plan.splits * plan.k_tiles_per_split
     ctas = (out_p // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta) * plan.splits
     assert ctas >= gemm_resident_ctas(arch, cfg) * sms, (plan, ctas)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_eight_warps_where_they_keep_the_occupancy(arch):
+    def warps(tokens, shape, codebook="mcg"):
+        return plan_gemm(tokens, linear(*shape, codebook=codebook), 132, arch=arch).config.warps
+
+    # One 64-token block of mcg: 8 warps on any width; more blocks only on outputs up to EIGHT_WARP_MAX_OUT.
+    assert warps(64, (4096, 14336)) == warps(40, (4096, 14336)) == warps(128, (14336, 4096)) == 8
+    assert warps(96, (4096, 14336)) == warps(128, (4096, 14336)) == 4
+    # 3inst and mul1 (more registers at some K), and fewer token groups keep 4.
+    assert warps(64, (4096, 4096), "3inst") == warps(64, (4096, 4096), "mul1") == 4
+    assert warps(16, (4096, 4096)) == warps(1, (4096, 4096)) == 4

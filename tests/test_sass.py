@@ -80,6 +80,19 @@ def test_gemm_registers_stay_within_the_planners_budget():
     assert sass.gemm_report(shared, "sm_120a").registers <= GEMM_REGISTERS[16]
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_eight_warp_decode_fits_sixteen_warps_per_sm(arch):
+    """targets.EIGHT_WARP_CODEBOOKS: the 8-warp, 8-token-group config of those codebooks needs <= 128 registers
+    (two CTAs, 16 warps, per 64K-register SM, as the 4-warp config) and spills nothing, at low, mid and high K."""
+    from exl3tool.ops.targets import EIGHT_WARP_CODEBOOKS
+
+    for codebook in EIGHT_WARP_CODEBOOKS:
+        for bits in (2.0, 4.0, 7.0):
+            cfg = fitting_config(bits=bits, codebook=codebook, token_groups=8, warps=8, x_order="fragments")
+            k = sass.gemm_report(cfg, arch)
+            assert k.registers <= 128 and k.spill_instructions == 0, (codebook, bits, k.registers)
+
+
 def test_missing_nvdisasm_names_the_extra(monkeypatch):
     import nvidia
 

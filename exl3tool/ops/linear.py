@@ -30,7 +30,7 @@ from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import x_fragment_slot
 from exl3tool.ops import fold, launch
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import gemm_resident_ctas, split_halves, split_k
+from exl3tool.ops.targets import decode_warps, gemm_resident_ctas, split_halves, split_k
 from exl3tool.ops.workspace import counters, scratch
 
 # Measured crossover on the H200 (docs/perf.md, 2026-12-01, L2-cold, gemm-unfused vs dequant, 4096x14336 /
@@ -43,6 +43,12 @@ DEQUANT_MIN_TOKENS = 129
 FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 PATHS = ("gemm", "gemm-unfused", "dequant", "fold")
+# 8-warp CTAs (targets.decode_warps) for one token block of up to 64 rows, and for more on outputs up to this wide.
+# H200, K=4 mcg, whole linear, graph (us, 4 -> 8 warps): 14336x4096 M=64 41.49 -> 38.78, M=128 72.75 -> 68.20;
+# 4096x4096 M=64 18.17 -> 17.06, M=128 27.44 -> 25.57; 2048x8192 M=64 18.50 -> 17.27; 4096x14336 M=40 41.50 ->
+# 40.88, M=64 43.22 -> 42.16, but M=96 72.88 -> 74.64 and M=128 74.21 -> 75.59 (its 224 wide CTAs then run
+# unsplit, a wave of 1-2 per SM).
+EIGHT_WARP_MAX_OUT = 8192
 # From here on the rotations folded into the weight (one fold kernel + one cuBLAS GEMM, ops.fold) beat dequantize +
 # two rotation passes: H200 run of 2026-11-30, 4096x14336 K=4: M=4096 760 vs 854 us, M=256 196 vs 117 us.
 FOLD_MIN_TOKENS = 2048
@@ -108,6 +114,8 @@ def plan_gemm(
         token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
     arch = arch or target_arch(lin.device)
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups))
+    if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:
+        config.setdefault("warps", decode_warps(codebook, token_groups))
     # The input rotation writes X as the main loop loads it (H200, K=4 mcg, GEMM alone: M=16 22.95 vs 23.68 us,
     # M=64 36.97 vs 42.13); split halves keeps row order (M=1: no gain from a duplicated fragment order).
     config.setdefault("x_order", "rows" if config["split_halves"] else "fragments")

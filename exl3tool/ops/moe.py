@@ -38,7 +38,7 @@ from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import split_halves
+from exl3tool.ops.targets import decode_warps, split_halves
 from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
@@ -49,6 +49,8 @@ BLOCK_ROWS = (8, 16, 32, 64, 128)  # route block = GEMM tokens per CTA, by the m
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
 # H200, E=128 top-8 2048x768 K=4, M=4096, whole layer: 64-row private blocks 2140 us, 128-row shared 1805.
 GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
+# Other route blocks take targets.decode_warps: 8 warps for 64-row mcg blocks (H200, whole layer, bit-identical:
+# M=1024 578.65 -> 556.26 us).
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
@@ -237,9 +239,14 @@ def x_order(block_rows: int) -> str:
     return "fragments" if block_rows in FRAGMENT_ORDER_ROWS else "rows"
 
 
+def gemm_layout(block_rows: int, codebook: str) -> dict:
+    """MoEGemmConfig fields of the route block's GEMM layout beyond its defaults."""
+    return GEMM_LAYOUT.get(block_rows, dict(warps=decode_warps(codebook, block_rows // 8)))
+
+
 def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, **fields) -> MoEGemmConfig:
     fields.setdefault("x_order", x_order(block_rows))
-    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **GEMM_LAYOUT.get(block_rows, {}),
+    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **gemm_layout(block_rows, codebook),
                          **fields)
 
 
@@ -248,7 +255,7 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int) -> StepShape:
     k = cfg.routes_per_token
     routes = tokens * k
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts)
-    layout = GEMM_LAYOUT.get(block_rows, {})
+    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook)  # split-K's estimate: the first group's
     warps = layout.get("warps", MoEGemmConfig.warps)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block

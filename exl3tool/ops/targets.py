@@ -38,6 +38,20 @@ REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
 
 
+# Codebooks whose private-decode GEMM at 8 token groups (64 tokens per CTA) runs with 8 warps: one activation stage
+# then serves 128 columns, half the copies and address work per weight (K=4 mcg main loop 7.76 -> 7.35 SASS per
+# weight on sm_90a, and no spills on sm_120a, where 4 warps spill 16 bytes). Only where the 8-warp CTA needs <= 128
+# registers at every K (sm_90a and sm_120a, pinned by tests/test_sass.py), so an H200 SM still holds 16 warps of
+# it: mcg. 3inst and mul1 need up to 150-154 at some K (8 warps per SM instead of 12); measured there, 8 warps lost
+# (H200, M=64: mul1 K=3 4096x14336 43.27 -> 45.24 us, 3inst K=6 14336x4096 46.11 -> 47.18).
+EIGHT_WARP_CODEBOOKS = ("mcg",)
+
+
+def decode_warps(codebook: str, token_groups: int) -> int:
+    """Warps per CTA of a private-decode GEMM: 8 at 8 token groups for ``EIGHT_WARP_CODEBOOKS``, else 4."""
+    return 8 if token_groups == 8 and codebook in EIGHT_WARP_CODEBOOKS else 4
+
+
 # Archs where the M <= 8 decode GEMM feeds each weight's two fp16 halves to two MMAs (GemmConfig.split_halves):
 # H200 measured 3-5% faster at M = 1 (an HADD2 and half a PRMT per weight traded for a second HMMA per tile) and
 # slower from M = 16. Not SM120: its fp32-accumulate mma.sync m16n8k16 takes ~32 clocks per SM sub-partition

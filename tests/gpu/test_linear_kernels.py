@@ -55,13 +55,14 @@ def test_dequantize_is_bit_exact(seed, bits, codebook):
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"seed={seed}"
 
 
-@pytest.mark.parametrize("token_groups", [1, 2, 8])
+@pytest.mark.parametrize("token_groups,warps", [(1, 4), (2, 4), (8, 4), (8, 8)])
 @pytest.mark.parametrize("bits,codebook", CASES)
-def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, token_groups):
+def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, token_groups, warps):
     """x_rot = I makes the GEMM output the decoded W_hat itself: every weight, bit for bit, in place."""
     tensors, lin = device_linear(seed, 256, 384, bits, codebook)
     xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")
-    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), token_groups)
+    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), token_groups, warps=warps)
+    assert plan.config.warps == warps
     out = poisoned((plan.splits, xr.shape[0], lin.info.out_padded), torch.float32)
     partials = ops.trellis_gemm(xr, lin, plan, out=out)
     ref = decode_trellis(tensors.trellis, codebook, bits).float()

@@ -267,6 +267,27 @@ def test_x_column_order_changes_no_bit(synthetic, name, m, monkeypatch):
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
+def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
+    """64-row mcg route blocks run their GEMMs with 8 warps (targets.decode_warps): each output column's sums are
+    the same MMAs in the same order as with 4, so y is bit-identical."""
+    from exl3tool.ops import targets
+
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    m = 1024
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for codebooks in (targets.EIGHT_WARP_CODEBOOKS, ()):
+        with monkeypatch.context() as patch:
+            patch.setattr(targets, "EIGHT_WARP_CODEBOOKS", codebooks)
+            plan = plan_moe(dmoe, m)
+            block_rows = plan.step(m, False).shape.block_rows
+            assert block_rows == 64
+            assert moe_ops.gemm_config(4.0, "mcg", 2, block_rows).warps == (8 if codebooks else 4)
+            poison(plan)
+            outs.append(moe_forward(x, plan).clone())
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
 def test_each_token_is_independent_of_the_batch(synthetic):
     reader = synthetic("qwen3-30b-shape-k4-mcg")
     plan = plan_moe(DeviceMoE.from_layer(reader.moe(0, device="cuda")), 256)
