@@ -250,21 +250,32 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
         assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
 
 
+def assert_no_bit_changes(monkeypatch, dmoe, x, module, attribute, values, check) -> None:
+    """y of the layer for x is bit-identical with ``module.attribute`` set to each of ``values`` (a fresh, poisoned
+    plan each); ``check(plan, value)`` asserts that the setting took effect."""
+    outs = []
+    for value in values:
+        with monkeypatch.context() as patch:
+            patch.setattr(module, attribute, value)
+            plan = plan_moe(dmoe, x.shape[0])
+            check(plan, value)
+            poison(plan)
+            outs.append(moe_forward(x, plan).clone())
+    assert not outs[0].isnan().any() and all(torch.equal(y, outs[0]) for y in outs)
+
+
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 256), ("hidden-intermediate-4096", 64)])
 def test_x_column_order_changes_no_bit(synthetic, name, m, monkeypatch):
     """32- and 64-row route blocks keep X and X2 in the GEMMs' fragment order: the same MMA operands, so y is
     bit-identical to row order."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for rows in (moe_ops.FRAGMENT_ORDER_ROWS, ()):
-        with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "FRAGMENT_ORDER_ROWS", rows)
-            plan = plan_moe(dmoe, m)
-            assert (moe_ops.x_order(plan.step(m, False).shape.block_rows) == "fragments") == bool(rows)
-            poison(plan)
-            outs.append(moe_forward(x, plan).clone())
-    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+    def check(plan, rows):
+        assert (moe_ops.x_order(plan.step(m, False).shape.block_rows) == "fragments") == bool(rows)
+
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "FRAGMENT_ORDER_ROWS", (moe_ops.FRAGMENT_ORDER_ROWS, ()),
+                          check)
 
 
 def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
@@ -275,17 +286,14 @@ def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     m = 1024
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for codebooks in (targets.EIGHT_WARP_CODEBOOKS, ()):
-        with monkeypatch.context() as patch:
-            patch.setattr(targets, "EIGHT_WARP_CODEBOOKS", codebooks)
-            plan = plan_moe(dmoe, m)
-            block_rows = plan.step(m, False).shape.block_rows
-            assert block_rows == 64
-            assert moe_ops.gemm_config(4.0, "mcg", 2, block_rows).warps == (8 if codebooks else 4)
-            poison(plan)
-            outs.append(moe_forward(x, plan).clone())
-    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+    def check(plan, codebooks):
+        block_rows = plan.step(m, False).shape.block_rows
+        assert block_rows == 64
+        assert moe_ops.gemm_config(4.0, "mcg", 2, block_rows).warps == (8 if codebooks else 4)
+
+    assert_no_bit_changes(monkeypatch, dmoe, x, targets, "EIGHT_WARP_CODEBOOKS", (targets.EIGHT_WARP_CODEBOOKS, ()),
+                          check)
 
 
 def test_each_token_is_independent_of_the_batch(synthetic):
