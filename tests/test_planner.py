@@ -47,6 +47,8 @@ def test_eight_warps_where_they_keep_the_occupancy(arch):
     # One 64-token block of mcg: 8 warps on any width; more blocks only on outputs up to EIGHT_WARP_MAX_OUT.
     assert warps(64, (4096, 14336)) == warps(40, (4096, 14336)) == warps(128, (14336, 4096)) == 8
     assert warps(96, (4096, 14336)) == warps(128, (4096, 14336)) == 4
-    # 3inst and mul1 (more registers at some K), and fewer token groups keep 4.
+    # At 8 token groups 3inst and mul1 keep 4 (more registers at some K); at 4 groups every codebook takes 8; fewer
+    # groups keep 4.
     assert warps(64, (4096, 4096), "3inst") == warps(64, (4096, 4096), "mul1") == 4
+    assert warps(32, (4096, 14336), "mul1") == warps(24, (14336, 4096), "3inst") == warps(32, (4096, 4096)) == 8
     assert warps(16, (4096, 4096)) == warps(1, (4096, 4096)) == 4

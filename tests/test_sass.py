@@ -73,8 +73,12 @@ def test_split_halves_compiles_for_sm90(bits, codebook):
 def test_gemm_registers_stay_within_the_planners_budget():
     from exl3tool.ops.targets import GEMM_REGISTERS
 
-    for tg, bits, codebook in [(1, 6.0, "3inst"), (2, 7.0, "3inst"), (4, 6.0, "3inst"), (8, 7.0, "3inst")]:
-        k = sass.gemm_report(fitting_config(bits=bits, codebook=codebook, token_groups=tg), "sm_120a")
+    from exl3tool.ops.targets import decode_warps
+
+    for tg, bits, codebook in [(1, 6.0, "3inst"), (2, 7.0, "3inst"), (4, 6.0, "3inst"), (4, 6.0, "mul1"),
+                               (8, 7.0, "3inst"), (8, 7.0, "mcg")]:
+        cfg = fitting_config(bits=bits, codebook=codebook, token_groups=tg, warps=decode_warps(codebook, tg))
+        k = sass.gemm_report(cfg, "sm_120a")
         assert k.registers <= GEMM_REGISTERS[tg], (tg, bits, codebook, k.registers)
     shared = GemmConfig(bits=7.0, codebook="3inst", token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=4)
     assert sass.gemm_report(shared, "sm_120a").registers <= GEMM_REGISTERS[16]

@@ -43,8 +43,8 @@ DEQUANT_MIN_TOKENS = 129
 FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 PATHS = ("gemm", "gemm-unfused", "dequant", "fold")
-# 8-warp CTAs (targets.decode_warps) for one token block of up to 64 rows, and for more on outputs up to this wide.
-# H200, K=4 mcg, whole linear, graph (us, 4 -> 8 warps): 14336x4096 M=64 41.49 -> 38.78, M=128 72.75 -> 68.20;
+# 8-warp CTAs (targets.decode_warps) for one token block, and for more on outputs up to this wide. H200, K=4 mcg,
+# whole linear, graph (us, 4 -> 8 warps, 8 token groups): 14336x4096 M=64 41.49 -> 38.78, M=128 72.75 -> 68.20;
 # 4096x4096 M=64 18.17 -> 17.06, M=128 27.44 -> 25.57; 2048x8192 M=64 18.50 -> 17.27; 4096x14336 M=40 41.50 ->
 # 40.88, M=64 43.22 -> 42.16, but M=96 72.88 -> 74.64 and M=128 74.21 -> 75.59 (its 224 wide CTAs then run
 # unsplit, a wave of 1-2 per SM).

@@ -49,8 +49,9 @@ BLOCK_ROWS = (8, 16, 32, 64, 128)  # route block = GEMM tokens per CTA, by the m
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
 # H200, E=128 top-8 2048x768 K=4, M=4096, whole layer: 64-row private blocks 2140 us, 128-row shared 1805.
 GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
-# Other route blocks take targets.decode_warps: 8 warps for 64-row mcg blocks (H200, whole layer, bit-identical:
-# M=1024 578.65 -> 556.26 us).
+# Other route blocks take targets.decode_warps: 8 warps for 32-row blocks and 64-row mcg blocks (H200, E=128 top-8
+# 2048x768 K=4 mcg, whole layer, bit-identical: M=192 265.1 -> 258.6 us, M=256 273.0 -> 265.9, M=1024 578.65 ->
+# 556.26).
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8

@@ -31,25 +31,30 @@ LIMITS = {
     "sm_120": SmLimits(100 * 1024, 1536, 65536, 32),  # RTX 50xx / RTX PRO 6000 Blackwell
     "sm_121": SmLimits(100 * 1024, 1536, 65536, 32),
 }
-# Registers per thread the planner budgets for a decode GEMM CTA, by token groups: every GemmConfig compiles to
-# at most this (sm_120a, checked by tests/test_sass.py), so occupancy is known without a compile.
-GEMM_REGISTERS = {1: 64, 2: 64, 4: 96, 8: 168, 16: 176}  # 16: shared decode (8 warps of 4 tile columns)
+# Registers per thread the planner budgets for a decode GEMM CTA, by token groups: the planner's configs (with
+# ``decode_warps``) compile to at most this (sm_120a, checked by tests/test_sass.py; 4 groups: 100 for sm_90a mul1
+# K=6), so occupancy is known without a compile.
+GEMM_REGISTERS = {1: 64, 2: 64, 4: 104, 8: 168, 16: 176}  # 16: shared decode (8 warps of 4 tile columns)
 REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
 
 
-# Codebooks whose private-decode GEMM at 8 token groups (64 tokens per CTA) runs with 8 warps: one activation stage
-# then serves 128 columns, half the copies and address work per weight (K=4 mcg main loop 7.76 -> 7.35 SASS per
-# weight on sm_90a, and no spills on sm_120a, where 4 warps spill 16 bytes). Only where the 8-warp CTA needs <= 128
-# registers at every K (sm_90a and sm_120a, pinned by tests/test_sass.py), so an H200 SM still holds 16 warps of
-# it: mcg. 3inst and mul1 need up to 150-154 at some K (8 warps per SM instead of 12); measured there, 8 warps lost
-# (H200, M=64: mul1 K=3 4096x14336 43.27 -> 45.24 us, 3inst K=6 14336x4096 46.11 -> 47.18).
+# Private-decode GEMMs at 4 and 8 token groups (32 and 64 tokens per CTA) run with 8 warps: one activation stage
+# then serves 128 columns, half the copies and address work per weight (K=4 mcg main loop on sm_90a: 8 groups 7.76
+# -> 7.35 SASS per weight, 4 groups 6.55 -> 6.48; on sm_120a the 8-group config no longer spills). At 4 groups
+# for every codebook (64-100 registers, an H200 SM holds 32 warps of it). H200, whole linear, graph, M=32: 4096x14336
+# K=4 mcg 33.24 -> 31.48 us, 14336x4096 33.76 -> 30.83, K=4 3inst 34.22 -> 31.43, K=6 mcg 36.18 -> 35.04, K=2 mul1
+# 29.04 -> 29.12 and 4096x4096 14.83 -> 14.96 (even). At 8 groups only where the 8-warp CTA needs <= 128 registers
+# at every K (sm_90a and sm_120a, pinned by tests/test_sass.py), so an H200 SM still holds 16 warps of it: mcg.
+# 3inst and mul1 need up to 150-154 at some K (8 warps per SM instead of 12); measured there, 8 warps lost (H200,
+# M=64: mul1 K=3 4096x14336 43.27 -> 45.24 us, 3inst K=6 14336x4096 46.11 -> 47.18).
 EIGHT_WARP_CODEBOOKS = ("mcg",)
 
 
 def decode_warps(codebook: str, token_groups: int) -> int:
-    """Warps per CTA of a private-decode GEMM: 8 at 8 token groups for ``EIGHT_WARP_CODEBOOKS``, else 4."""
-    return 8 if token_groups == 8 and codebook in EIGHT_WARP_CODEBOOKS else 4
+    """Warps per CTA of a private-decode GEMM: 8 at 4 token groups, and at 8 for ``EIGHT_WARP_CODEBOOKS``; else
+    4."""
+    return 8 if token_groups == 4 or (token_groups == 8 and codebook in EIGHT_WARP_CODEBOOKS) else 4
 
 
 # Archs where the M <= 8 decode GEMM feeds each weight's two fp16 halves to two MMAs (GemmConfig.split_halves):

@@ -55,7 +55,7 @@ def test_dequantize_is_bit_exact(seed, bits, codebook):
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"seed={seed}"
 
 
-@pytest.mark.parametrize("token_groups,warps", [(1, 4), (2, 4), (8, 4), (8, 8)])
+@pytest.mark.parametrize("token_groups,warps", [(1, 4), (2, 4), (4, 8), (8, 4), (8, 8)])
 @pytest.mark.parametrize("bits,codebook", CASES)
 def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, token_groups, warps):
     """x_rot = I makes the GEMM output the decoded W_hat itself: every weight, bit for bit, in place."""
