@@ -42,7 +42,7 @@ OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles
 # Private-decode GEMMs at 4 and 8 token groups (32 and 64 tokens per CTA) run with 8 warps: one activation stage
 # then serves 128 columns, half the copies and address work per weight (K=4 mcg main loop on sm_90a: 8 groups 7.76
 # -> 7.35 SASS per weight, 4 groups 6.55 -> 6.48; on sm_120a the 8-group config no longer spills). At 4 groups
-# for every codebook (64-100 registers, an H200 SM holds 32 warps of it). H200, whole linear, graph, M=32: 4096x14336
+# for every codebook (64-100 registers: 16-32 warps of it per H200 SM). H200, whole linear, graph, M=32: 4096x14336
 # K=4 mcg 33.24 -> 31.48 us, 14336x4096 33.76 -> 30.83, K=4 3inst 34.22 -> 31.43, K=6 mcg 36.18 -> 35.04, K=2 mul1
 # 29.04 -> 29.12 and 4096x4096 14.83 -> 14.96 (even). At 8 groups only where the 8-warp CTA needs <= 128 registers
 # at every K (sm_90a and sm_120a, pinned by tests/test_sass.py), so an H200 SM still holds 16 warps of it: mcg.
