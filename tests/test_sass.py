@@ -71,9 +71,7 @@ def test_split_halves_compiles_for_sm90(bits, codebook):
 
 
 def test_gemm_registers_stay_within_the_planners_budget():
-    from exl3tool.ops.targets import GEMM_REGISTERS
-
-    from exl3tool.ops.targets import decode_warps
+    from exl3tool.ops.targets import GEMM_REGISTERS, decode_warps
 
     for tg, bits, codebook in [(1, 6.0, "3inst"), (2, 7.0, "3inst"), (4, 6.0, "3inst"), (4, 6.0, "mul1"),
                                (8, 7.0, "3inst"), (8, 7.0, "mcg")]:
