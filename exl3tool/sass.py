@@ -159,7 +159,9 @@ def nvdisasm_path() -> str:
 
 def compile_cubin(build: Callable[[str], Any], arch: str) -> bytes:
     """The cubin of ``build(options)`` compiled for ``arch`` (no GPU needed; the dump goes to a throwaway folder)."""
-    with tempfile.TemporaryDirectory(prefix="exl3tool-cubin-") as dump:
+    from exl3tool.kernels.ptx import compiling_for
+
+    with tempfile.TemporaryDirectory(prefix="exl3tool-cubin-") as dump, compiling_for(arch):
         return bytes(build(f"--gpu-arch={arch} --keep-cubin --dump-dir={dump}").__cubin__)
 
 

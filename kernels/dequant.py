@@ -44,10 +44,12 @@ class Dequantize:
     def __call__(self, mW: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
         """mW int32 ``(in_p/16, out_p/16, 8K)``, mOut int32 ``(out_p, in_p/2)`` (fp16 pairs of W_hat^T rows)."""
         tiles = mW.shape[0] * mW.shape[1]  # a multiple of 64: both tile counts are multiples of 8
-        self.kernel(mW, mOut).launch(grid=(tiles // WARPS, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+        self.kernel(mW, mOut).launch(grid=(tiles // WARPS, 1, 1), block=(32 * WARPS, 1, 1), stream=stream,
+                                     **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mOut: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = tid % 32

@@ -166,10 +166,11 @@ class Fold:
         """mW int32 ``(in_p/16, out_p/16, 8K)``, mSuh fp16 ``(in_p,)``, mSvh fp16 ``(out_p,)``, mOut ``(in_p, out_p)``."""
         grid = (mW.shape[0] // 8, mW.shape[1] // 8, 1)  # input blocks fastest
         self.kernel(mW, mSuh, mSvh, mOut).launch(grid=grid, block=(32 * WARPS, 1, 1), stream=stream,
-                                                   min_blocks_per_mp=3, preferred_smem_carveout=100)
+                                                   min_blocks_per_mp=3, preferred_smem_carveout=100, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mSuh: cute.Tensor, mSvh: cute.Tensor, mOut: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         bi, bj, _ = cute.arch.block_idx()
         smem = SmemAllocator()

@@ -176,7 +176,7 @@ class TrellisGemm(DecodeGemmKernel):
             mP.shape[0],
         )
         self.kernel(mX, mW, mP, k_tiles_per_split, mSvh, mBias, mY, mCounter, mSuh).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream
+            grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch()
         )
 
     @cute.kernel
@@ -192,6 +192,7 @@ class TrellisGemm(DecodeGemmKernel):
         mCounter: cute.Tensor,
         mSuh: cute.Tensor,
     ):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         cfg, plan = self.cfg, self.plan
         tid, _, _ = cute.arch.thread_idx()
         bn, bm, split = cute.arch.block_idx()

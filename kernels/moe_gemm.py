@@ -160,7 +160,7 @@ class MoEGemm(DecodeGemmKernel):
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream)
+            grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,
@@ -168,6 +168,7 @@ class MoEGemm(DecodeGemmKernel):
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
                mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         cfg, main = self.cfg, self.cfg.mainloop
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()

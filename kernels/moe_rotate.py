@@ -116,12 +116,13 @@ class RouteInputRotation:
                  mRowRoute: cute.Tensor, mRouteRow: cute.Tensor, stream: cuda.CUstream):
         grid = (mX.shape[0], (mXr.shape[2] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA, self.cfg.slot_groups)
         self.kernel(mX, mGateSuh, mUpSuh, mXr, mIds, mRank, mExpertRow, mGroupRow, mRowRoute, mRouteRow).launch(
-            grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream)
+            grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
                mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                mRowRoute: cute.Tensor, mRouteRow: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         k, per_warp = self.cfg.routes_per_token, self.cfg.slots_per_warp
         tid, _, _ = cute.arch.thread_idx()
         tok, bx, z = cute.arch.block_idx()
@@ -173,11 +174,12 @@ class Intermediate:
                  stream: cuda.CUstream):
         grid = (mX2.shape[1] // 128, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, inter_true, block_rows).launch(
-            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
@@ -226,11 +228,12 @@ class TopKSum:
                  mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
         grid = (mY.shape[0], (mP.shape[2] // 128 + self.cfg.blocks_per_cta - 1) // self.cfg.blocks_per_cta, 1)
         self.kernel(mP, mSvh, mSvhRow, mIds, mW, mRouteRow, mY).launch(
-            grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
+            grid=grid, block=(32 * self.warps, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor, mIds: cute.Tensor,
                mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         k, per_cta = self.cfg.routes_per_token, self.cfg.blocks_per_cta
         tid, _, _ = cute.arch.thread_idx()
         tok, group, _ = cute.arch.block_idx()

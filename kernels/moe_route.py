@@ -231,13 +231,14 @@ class MoERoute:
                 (mX.shape[0] + self.cfg.token_tile - 1) // self.cfg.token_tile, 1)
         self.kernel(mX, mRouter, mBias, mGivenIds, mGivenW, mLogits, mIds, mW, mRank, mCounters, mCounts,
                     mExpertRow, mBlockExpert, mRowRoute, block_rows).launch(grid=grid, block=(THREADS, 1, 1),
-                                                                             stream=stream)
+                                                                             stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRouter: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor,
                mGivenW: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor,
                mCounters: cute.Tensor, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor,
                mRowRoute: cute.Tensor, block_rows: Int32):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         cfg = self.cfg
         tid, _, _ = cute.arch.thread_idx()
         chunk, tb, _ = cute.arch.block_idx()

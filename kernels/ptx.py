@@ -5,12 +5,46 @@ free to schedule, hoist and CSE them. Immediates are baked into the instruction 
 costs a register per use site in the inner loop.
 """
 
+import contextlib
+import contextvars
+import re
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+# Programmatic dependent launch (sm_90 and newer): each kernel is launched so that it may start while the kernel
+# before it in the stream finishes, and waits for that kernel's writes (``wait_for_prior_kernels``) before it
+# reads or writes anything another kernel touches. Set while a kernel is traced for such an arch.
+_PDL = contextvars.ContextVar("exl3tool_pdl", default=False)
+
+
+@contextlib.contextmanager
+def compiling_for(arch: str):
+    """Kernels traced inside this block are compiled for ``arch`` (``sm_90a``, ...): PDL where it has it."""
+    token = _PDL.set(int(re.sub(r"\D", "", arch)) >= 90)
+    try:
+        yield
+    finally:
+        _PDL.reset(token)
+
+
+def pdl_launch() -> dict:
+    """Extra ``launch`` arguments: programmatic dependent launch where the arch being compiled for has it."""
+    return {"use_pdl": True} if _PDL.get() else {}
+
+
+def wait_for_prior_kernels() -> None:
+    """``griddepcontrol.wait`` under PDL: the kernel before this one in the stream has finished and its writes
+    are visible. Every kernel calls it first, before any global access: another kernel may have written anything
+    it reads, weights included (prefetching the decode GEMM's first weight stages before it measured no faster on
+    the H200). Traced inline; nothing without PDL."""
+    if _PDL.get():
+        cute.arch.griddepcontrol_wait()
 
 
 def _u32(value: int) -> str:

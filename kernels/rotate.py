@@ -140,10 +140,11 @@ class InputRotation:
     def __call__(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor, stream: cuda.CUstream):
         """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16."""
         grid = (mXr.shape[1] // 128, (mXr.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
-        self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+        self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
@@ -175,10 +176,12 @@ class OutputRotation:
         """mP ``(splits, M, out_p)``, mSvh ``(out_p,)`` fp16, mBias ``(out_p,)`` fp16 or None, mY ``(M, out_true)``."""
         bias = mSvh if cutlass.const_expr(mBias is None) else mBias  # never read without a bias
         grid = (mP.shape[2] // 128, (mP.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
-        self.kernel(mP, mSvh, bias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream)
+        self.kernel(mP, mSvh, bias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream,
+                                               **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor):
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32

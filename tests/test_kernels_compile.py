@@ -2,6 +2,7 @@
 for SM120 and SM90 (and a spread for SM80/SM89), and its PTX drives the tensor cores with mma.sync. (The 99 KB
 shared-memory bound is the config constructor's to enforce: see test_configs_refuse_what_the_kernel_cannot_do.)"""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,8 @@ from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import launch
+from exl3tool.kernels.fold import FoldConfig
+from exl3tool.ops.fold import fold_builder
 from exl3tool.ops.runtime import compile_with_ptx
 
 pytestmark = pytest.mark.compile
@@ -137,3 +140,32 @@ def test_shared_decode_gemm_compiles(bits, codebook, layout, arch):
     assert ptx.count("st.shared.v4.b32") >= config.k_tiles_per_stage
     assert ptx.count("ld.shared.v4.b32") >= config.warp_cols * config.k_tiles_per_stage
 
+
+
+PDL_WAIT = "griddepcontrol.wait;"
+GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global")  # not cp.async's "shared.global"
+
+
+def first_global_access(ptx: str) -> int:
+    found = GLOBAL_ACCESS.search(ptx)
+    return found.start() if found else len(ptx)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a", "sm_80"])
+@pytest.mark.parametrize("config", [GemmConfig(bits=4.0, codebook="mcg", token_groups=2),
+                                    GemmConfig(bits=2.0, codebook="3inst", output="float16", input="float16",
+                                               resident_k_tiles=64),
+                                    DequantConfig(4.0, "mcg"), InputRotationConfig("float16", "fragments"),
+                                    OutputRotationConfig("bfloat16", "float32", True), FoldConfig(3.0, "mul1")],
+                         ids=["gemm", "gemm-rotating-x", "dequant", "input-rotation", "output-rotation", "fold"])
+def test_kernels_wait_for_the_kernel_before_them_under_pdl(config, arch):
+    """Programmatic dependent launch (sm_90 and newer): a kernel may start while the one before it finishes, so
+    it waits (griddepcontrol.wait) before any global access, cp.async included; SM80 has no PDL and no wait."""
+    build = fold_builder if isinstance(config, FoldConfig) else launch.BUILDERS[type(config)]
+    ptx = compile_with_ptx(lambda options: build(config, options), arch)
+    if arch == "sm_80":
+        assert "griddepcontrol" not in ptx
+    else:
+        wait = ptx.index(PDL_WAIT)
+        assert ptx.count(PDL_WAIT) == 1 and wait < first_global_access(ptx)
+        assert "cp.async" not in ptx[:wait]

@@ -3,6 +3,7 @@ PTX holds what the design needs (mma.sync in both grouped GEMMs, the arrival cou
 of the routing), and every CTA stays within SM120's 99 KB of shared memory."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -89,6 +90,21 @@ def test_down_gemm_with_the_topk_sum_fused(bits, codebook, routes, out_dtype, sp
     for wrong in (dict(planes=2), dict(token_groups=2)):  # gate/up, or more than one token group
         with pytest.raises(ValueError):
             dataclasses.replace(cfg, **wrong)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_80"])
+@pytest.mark.parametrize("config", [MoERouteConfig("softmax_topk", 128, 8), RouteInputRotationConfig("float16", 8, 1),
+                                    MoEGemmConfig(4.0, "mcg", 2, token_groups=4), IntermediateConfig(2),
+                                    TopKSumConfig(8, "float16", 1)], ids=lambda c: type(c).__name__)
+def test_moe_kernels_wait_for_the_kernel_before_them_under_pdl(config, arch):
+    """Every MoE launch waits (griddepcontrol.wait) before its first global access where the arch has PDL."""
+    ptx = ptx_of(config, arch)
+    if arch == "sm_80":
+        assert "griddepcontrol" not in ptx
+    else:
+        first = re.search(r"\b(ld|st|atom|red)\.global", ptx).start()  # not cp.async's "shared.global"
+        wait = ptx.index("griddepcontrol.wait;")
+        assert wait < first and "cp.async" not in ptx[:wait]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -64,7 +64,10 @@ def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
         with _lock:
             entry = _cache.get(full_key)
             if entry is None:
-                compiled = build(f"{COMPILE_OPTIONS} --gpu-arch={arch}")
+                from exl3tool.kernels.ptx import compiling_for
+
+                with compiling_for(arch):
+                    compiled = build(f"{COMPILE_OPTIONS} --gpu-arch={arch}")
                 entry = _cache[full_key] = (compiled, direct_function(compiled))
     return entry[1]
 
@@ -83,5 +86,7 @@ def compile_with_ptx(build: Callable[[str], Any], arch: str) -> str:
     """PTX text of a kernel compiled for ``arch`` (used by the compile-only tests; never cached).
 
     Keeping the PTX also writes it to a file, so that goes to a throwaway folder, not the working directory."""
-    with tempfile.TemporaryDirectory(prefix="exl3tool-ptx-") as dump:
+    from exl3tool.kernels.ptx import compiling_for
+
+    with tempfile.TemporaryDirectory(prefix="exl3tool-ptx-") as dump, compiling_for(arch):
         return build(f"{COMPILE_OPTIONS} --gpu-arch={arch} --keep-ptx --dump-dir={dump}").__ptx__

@@ -206,6 +206,42 @@ def test_planned_call_allocates_nothing_syncs_nothing_and_replays_bit_identical(
     assert torch.equal(y, ops.linear_forward(x, lin, path=path)), f"seed={seed}"
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_chained_linears_queued_or_replayed_equal_each_run_alone(seed, tokens):
+    """Kernels may start while the kernel before them finishes (programmatic dependent launch): each linear of a
+    chain reads the previous one's output and reuses the scratch it just used (every path, random widths).
+    Queued without a sync, and replayed as one graph, every output equals that linear run alone, synchronized."""
+    rng = random.Random(seed)
+    widths = [rng.randrange(64, 1200) for _ in range(5)]
+    lins = [device_linear(seed + i, widths[i], widths[i + 1], rng.choice([2.0, 4.0]), rng.choice(CODEBOOKS))[1]
+            for i in range(4)]
+    paths = rng.sample(ops.PATHS, 4)
+    x = torch.randn(tokens, widths[0], dtype=torch.float16, device="cuda")
+    alone, h = [], x
+    for lin, path in zip(lins, paths):
+        h = ops.linear_forward(h, lin, path=path)
+        torch.cuda.synchronize()
+        alone.append(h)
+    outs = [poisoned(a.shape, torch.float16) for a in alone]
+
+    def chain():
+        h = x
+        for lin, path, out in zip(lins, paths, outs):
+            h = ops.linear_forward(h, lin, path=path, out=out)
+
+    chain()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, a) for o, a in zip(outs, alone)), f"seed={seed} paths={paths}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    graph.replay()
+    assert all(torch.equal(o, a) for o, a in zip(outs, alone)), f"seed={seed} paths={paths}"
+
+
 def test_plans_are_made_once_per_shape_dtype_and_path(seed):
     tensors, lin = device_linear(seed, 256, 256, 2.0, "mul1")
     x1 = torch.randn(1, 256, dtype=torch.float16, device="cuda")
