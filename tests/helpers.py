@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,22 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 EXAMPLE = ROOT / "examples" / "qwen3moe_mul1"
 GENUINE = ("llama_3inst", "llama_mcg", "llama_mul1", "qwen3moe_mul1")
+
+
+PDL_WAIT = "griddepcontrol.wait;"
+GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global")  # not cp.async's "shared.global"
+
+
+def assert_waits_before_global_access(ptx: str, arch: str) -> None:
+    """Programmatic dependent launch (sm_90 and newer): a kernel may start while the one before it finishes, so
+    its one griddepcontrol.wait comes before any global access, cp.async included; SM80 has no PDL and no wait."""
+    if arch == "sm_80":
+        assert "griddepcontrol" not in ptx
+        return
+    wait = ptx.index(PDL_WAIT)
+    first = GLOBAL_ACCESS.search(ptx)
+    assert ptx.count(PDL_WAIT) == 1 and wait < (first.start() if first else len(ptx))
+    assert "cp.async" not in ptx[:wait]
 
 
 def model_dir(name: str) -> Path:

@@ -2,20 +2,20 @@
 for SM120 and SM90 (and a spread for SM80/SM89), and its PTX drives the tensor cores with mma.sync. (The 99 KB
 shared-memory bound is the config constructor's to enforce: see test_configs_refuse_what_the_kernel_cannot_do.)"""
 
-import re
 from dataclasses import replace
 
 import pytest
 
 from exl3tool.format import HALF_RATE_WORDS, Codebook
 from exl3tool.kernels.dequant import DequantConfig
+from exl3tool.kernels.fold import FoldConfig
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import launch
-from exl3tool.kernels.fold import FoldConfig
 from exl3tool.ops.fold import fold_builder
 from exl3tool.ops.runtime import compile_with_ptx
+from helpers import assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile
 
@@ -142,14 +142,6 @@ def test_shared_decode_gemm_compiles(bits, codebook, layout, arch):
 
 
 
-PDL_WAIT = "griddepcontrol.wait;"
-GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global")  # not cp.async's "shared.global"
-
-
-def first_global_access(ptx: str) -> int:
-    found = GLOBAL_ACCESS.search(ptx)
-    return found.start() if found else len(ptx)
-
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a", "sm_80"])
 @pytest.mark.parametrize("config", [GemmConfig(bits=4.0, codebook="mcg", token_groups=2),
@@ -159,13 +151,6 @@ def first_global_access(ptx: str) -> int:
                                     OutputRotationConfig("bfloat16", "float32", True), FoldConfig(3.0, "mul1")],
                          ids=["gemm", "gemm-rotating-x", "dequant", "input-rotation", "output-rotation", "fold"])
 def test_kernels_wait_for_the_kernel_before_them_under_pdl(config, arch):
-    """Programmatic dependent launch (sm_90 and newer): a kernel may start while the one before it finishes, so
-    it waits (griddepcontrol.wait) before any global access, cp.async included; SM80 has no PDL and no wait."""
+    """Every dense kernel kind waits for the kernel before it under PDL (``helpers``: the rule and its check)."""
     build = fold_builder if isinstance(config, FoldConfig) else launch.BUILDERS[type(config)]
-    ptx = compile_with_ptx(lambda options: build(config, options), arch)
-    if arch == "sm_80":
-        assert "griddepcontrol" not in ptx
-    else:
-        wait = ptx.index(PDL_WAIT)
-        assert ptx.count(PDL_WAIT) == 1 and wait < first_global_access(ptx)
-        assert "cp.async" not in ptx[:wait]
+    assert_waits_before_global_access(compile_with_ptx(lambda options: build(config, options), arch), arch)

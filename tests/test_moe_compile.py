@@ -3,7 +3,6 @@ PTX holds what the design needs (mma.sync in both grouped GEMMs, the arrival cou
 of the routing), and every CTA stays within SM120's 99 KB of shared memory."""
 
 import dataclasses
-import re
 
 import pytest
 
@@ -15,6 +14,7 @@ from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
 from exl3tool.ops.moe import gemm_config
 from exl3tool.ops.runtime import compile_with_ptx
+from helpers import assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -97,14 +97,8 @@ def test_down_gemm_with_the_topk_sum_fused(bits, codebook, routes, out_dtype, sp
                                     MoEGemmConfig(4.0, "mcg", 2, token_groups=4), IntermediateConfig(2),
                                     TopKSumConfig(8, "float16", 1)], ids=lambda c: type(c).__name__)
 def test_moe_kernels_wait_for_the_kernel_before_them_under_pdl(config, arch):
-    """Every MoE launch waits (griddepcontrol.wait) before its first global access where the arch has PDL."""
-    ptx = ptx_of(config, arch)
-    if arch == "sm_80":
-        assert "griddepcontrol" not in ptx
-    else:
-        first = re.search(r"\b(ld|st|atom|red)\.global", ptx).start()  # not cp.async's "shared.global"
-        wait = ptx.index("griddepcontrol.wait;")
-        assert wait < first and "cp.async" not in ptx[:wait]
+    """Every MoE launch waits for the kernel before it under PDL (``helpers``: the rule and its check)."""
+    assert_waits_before_global_access(ptx_of(config, arch), arch)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
