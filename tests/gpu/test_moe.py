@@ -296,6 +296,21 @@ def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
                           check)
 
 
+def test_route_tiles_change_no_bit(synthetic, monkeypatch):
+    """Any route kernel tiles give the same logits (a fixed sum per logit), so the same routes and y:
+    ``moe_route.tiles_for`` picks them for speed alone. Token tiles of 8, 16 and 32 take one token block or
+    several at this M."""
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    m = 24
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    tiles = [lambda t, e=e, tt=tt: dict(expert_tile=e, token_tile=tt) for e in (16, 32) for tt in (8, 16, 32)]
+
+    def check(plan, tiles_for):  # the plan's arrival counters: one per token block, one for the last
+        assert plan.counters.numel() == -(-m // tiles_for(m)["token_tile"]) + 1
+
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "tiles_for", tiles, check)
+
+
 def test_each_token_is_independent_of_the_batch(synthetic):
     reader = synthetic("qwen3-30b-shape-k4-mcg")
     plan = plan_moe(DeviceMoE.from_layer(reader.moe(0, device="cuda")), 256)
@@ -312,7 +327,7 @@ def test_each_token_is_independent_of_the_batch(synthetic):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
 def test_route_packing_one_token_block_or_several(synthetic, name):
-    """Around the route kernel's one-token-block path (counts in shared memory, M <= 32): every route has its own
+    """Around the route kernel's one-token-block path (counts in shared memory, M <= 8): every route has its own
     rank inside its expert, the experts' first rows are the prefix sums of their padded counts, the counters and
     counts are back at zero after each call, and a token's logits are the same whatever the batch."""
     plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 64)
