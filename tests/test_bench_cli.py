@@ -89,6 +89,7 @@ def test_sass_on_sm120_end_to_end():
 
 
 def test_from_json_renders_and_plots_without_a_gpu(tmp_path):
+    import gzip
     import json
 
     from test_bench_report import hand_made_report
@@ -100,6 +101,15 @@ def test_from_json_renders_and_plots_without_a_gpu(tmp_path):
     assert "linear 4096x14336 K4 mcg" in result.stdout and "2.00x" in result.stdout
     assert (tmp_path / "perf.png").read_bytes()[:4] == b"\x89PNG"
     assert run_cli("bench", "--from-json", saved, "-f", "json").json() == json.loads(saved.read_text())
+    packed = tmp_path / "report.json.gz"  # the raw reports in docs/perf-raw are kept gzipped
+    packed.write_bytes(gzip.compress(saved.read_bytes()))
+    assert run_cli("bench", "--from-json", packed, "-f", "json").json() == json.loads(saved.read_text())
+    from exl3tool.cli.bench import _write_json  # what --json-out FILE.json.gz writes
+
+    _write_json(hand_made_report(), str(tmp_path / "out.json.gz"))
+    assert json.loads(gzip.decompress((tmp_path / "out.json.gz").read_bytes())) == json.loads(saved.read_text())
+    (tmp_path / "bad.json.gz").write_bytes(saved.read_bytes())  # not gzip
+    _one_error_line(run_cli("bench", "--from-json", tmp_path / "bad.json.gz"), "bad.json.gz")
     (tmp_path / "bad.json").write_text('{"schema": "exl3tool.verify/1"}')
     _one_error_line(run_cli("bench", "--from-json", tmp_path / "bad.json"), "not an exl3tool bench JSON report")
     _one_error_line(run_cli("bench", "--from-json", tmp_path / "absent.json"), "absent.json")

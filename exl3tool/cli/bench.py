@@ -45,10 +45,10 @@ def bench(
                                                 help="Write time against tokens (needs the plot extra).")] = None,
     json_out: Annotated[Optional[str], typer.Option(
         "--json-out", metavar="FILE", show_default=False,
-        help="Also write the JSON report to FILE (with the human table on stdout).")] = None,
+        help="Also write the JSON report to FILE (gzipped if it ends in .gz), with the human table on stdout.")] = None,
     from_json: Annotated[Optional[str], typer.Option(
         "--from-json", metavar="FILE", show_default=False,
-        help="No GPU: render (and --plot) a report saved with --json-out or -f json.")] = None,
+        help="No GPU: render (and --plot) a report saved with --json-out (.json or .json.gz) or -f json.")] = None,
     sass: Annotated[bool, typer.Option("--sass", help="No GPU: compile the kernels for --arch and report "
                                                      "registers, spills, shared memory, SASS per weight.")] = False,
     arch: Annotated[str, typer.Option("--arch", metavar="sm_XX", help="Target of --sass.")] = "sm_120a",
@@ -125,13 +125,20 @@ def bench(
     raise typer.Exit(EXIT_PROBLEMS if report.wrong else EXIT_SOUND)
 
 
+def _open_text(path: str, mode: str):
+    """A report file: gzip-compressed when its name ends in ``.gz`` (the raw reports kept in docs/perf-raw)."""
+    import gzip
+
+    return gzip.open(path, mode + "t", encoding="utf-8") if str(path).endswith(".gz") else open(path, mode)
+
+
 def _write_json(report, path: str) -> None:
     import json
 
     from exl3tool.errors import OutputError
 
     try:
-        with open(path, "w") as f:
+        with _open_text(path, "w") as f:
             json.dump(report.to_json(), f, indent=1)
     except OSError as err:
         raise OutputError(f"cannot write the JSON report: {err.strerror or err}", path=path) from None
@@ -144,10 +151,11 @@ def _read_json(path: str):
     from exl3tool.errors import UnreadableInputError
 
     try:
-        with open(path) as f:
+        with _open_text(path, "r") as f:
             return BenchReport.from_json(json.load(f))
-    except OSError as err:
-        raise UnreadableInputError(f"cannot read the report: {err.strerror or err}", path=path) from None
+    except (OSError, EOFError) as err:  # gzip: a bad or truncated file
+        raise UnreadableInputError(f"cannot read the report: {getattr(err, 'strerror', None) or err}",
+                                   path=path) from None
     except (ValueError, KeyError, TypeError) as err:
         raise UnreadableInputError(f"not an exl3tool bench JSON report ({type(err).__name__}: {err})",
                                    path=path) from None
