@@ -435,10 +435,11 @@ class MoERoute:
         rows = [mLogits.iterator.toint() + Int64(cutlass.min(t, tokens - 1)) * mLogits.shape[1] * 4 for t in toks]
         expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
         valid = [x < n for x in expert]
-        chosen = []  # per token: (ids, weights) of its k routes, in every lane
+        chosen = []  # per token: (ids, weights, from scores) of its k routes, in every lane
         if cutlass.const_expr(cfg.method == "given"):
             given = [cutlass.min(t, tokens - 1) for t in toks]
-            chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)]) for t in given]
+            chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)], False)
+                      for t in given]
         else:
             logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
                        for i in range(self.per_lane)] for row in rows]
@@ -448,7 +449,7 @@ class MoERoute:
             scored = [self.scores(logit, expert, valid, bias) for logit in logits] if len(toks) <= 2 else []
             # the one-redux chain where latency rules (<= 2 tokens a warp; H200 route alone M=1 6.43 -> 6.24 us,
             # M=16 8.80 -> 8.51); with 4 tokens a warp its extra work costs more than it saves (M=4096 +2.5 us)
-            fast = [self.pick_fast(choice, expert, score) for score, choice in scored] if len(toks) <= 2 else []
+            fast = [self.pick_fast(choice, expert, score) for score, choice, _ in scored] if len(toks) <= 2 else []
             for u in cutlass.range_constexpr(len(fast)):
                 picked = cute.make_rmem_tensor(cute.make_layout(k), Int32)
                 picked_w = cute.make_rmem_tensor(cute.make_layout(k), Float32)
@@ -460,23 +461,26 @@ class MoERoute:
                     for j in cutlass.range_constexpr(k):
                         picked[j] = exact[0][j]
                         picked_w[j] = exact[1][j]
-                chosen.append(([picked[j] for j in range(k)], self.finish([picked_w[j] for j in range(k)])))
+                weights = self.normalized([picked_w[j] for j in range(k)], scored[u][2], lane)
+                chosen.append(([picked[j] for j in range(k)], weights, True))
             if cutlass.const_expr(len(fast) == 0):
                 for logit in logits:  # per token, scores then picks (the order the kernel was measured in)
-                    score, choice = self.scores(logit, expert, valid, bias)
+                    score, choice, total = self.scores(logit, expert, valid, bias)
                     ids, weights = self.pick(choice, expert, score)
-                    chosen.append((ids, self.finish(weights)))
+                    chosen.append((ids, self.normalized(weights, total, lane), True))
         gates = [Float32(1.0)] * len(toks)
         if cutlass.const_expr(cfg.shared == "gated"):
             gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4))) for row in rows]
         routes = mIds.shape[1]
         for u in cutlass.range_constexpr(len(toks)):
             tok = toks[u]
-            ids, weights = chosen[u]
+            ids, weights, scored_weights = chosen[u]
             mine, w = ids[0], weights[0]
             for j in cutlass.range_constexpr(1, k):
                 mine = cutlass.select_(lane == j, ids[j], mine)
                 w = cutlass.select_(lane == j, weights[j], w)
+            if cutlass.const_expr(scored_weights):
+                w = self.finish(weights, w)  # this lane's slot only
             if (tok < tokens) & (lane < k):
                 mIds[tok, lane] = mine
                 mW[tok, lane] = w
@@ -493,8 +497,11 @@ class MoERoute:
                     mRank[tok * routes + k] = tok
 
     def scores(self, logit, expert, valid, bias):
-        """One token's (score, choice) of this lane's experts: the weights come from the scores, the selection
-        from the choices."""
+        """One token's (score, choice, total) of this lane's experts: the selection comes from the choices, the
+        weights from the scores of the chosen divided by ``total`` (softmax: the sum of the exponentials, the
+        same in every lane; else None). Dividing only the chosen, after the selection, leaves the selection
+        chain free of the divisions (whose slow-path branches ptxas does not schedule across) and gives the
+        same bits as dividing every score first."""
         cfg = self.cfg
         if cfg.method == "softmax_topk":
             m = logit[0]
@@ -505,10 +512,11 @@ class MoERoute:
             s = ex[0]
             for i in range(1, self.per_lane):
                 s = s + ex[i]
-            s = warp_sum(s)
-            score = [x / s for x in ex]
+            total = warp_sum(s)
+            score = ex
             choice = list(logit)  # softmax is monotonic: select on the logits
         else:
+            total = None
             score = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit[i])) for i in range(self.per_lane)]
             choice = []
             for i in range(self.per_lane):
@@ -518,7 +526,19 @@ class MoERoute:
                 choice.append(cutlass.select_(valid[i], c, Float32(NEG_INF)))
             if cfg.n_group > 1:
                 choice = self.limit_groups(choice, expert)
-        return score, choice
+        return score, choice, total
+
+    @staticmethod
+    def normalized(weights, total, lane):
+        """The chosen routes' scores over ``scores``' total (softmax), or as they are: lane j divides score j and
+        the others take it by shuffle (one division a lane, not k)."""
+        if total is None:
+            return weights
+        mine = weights[0]
+        for j in range(1, len(weights)):
+            mine = cutlass.select_(lane == j, weights[j], mine)
+        mine = mine / total
+        return [cute.arch.shuffle_sync(mine, j) for j in range(len(weights))]
 
     def pick(self, choice, expert, score):
         """The exact search: k times the best (higher choice, ties to the lower id), then -inf. Returns the ids and
@@ -562,15 +582,16 @@ class MoERoute:
                     for i in range(len(keys))]
         return ids, weights, cute.arch.warp_redux_sync(n_held, "add") == self.cfg.top_k
 
-    def finish(self, weights):
-        """The routes' weights from their scores: optionally renormalised, times ``scale``."""
+    def finish(self, weights, mine):
+        """The weight of route ``mine`` (one of ``weights``, the k chosen routes' weights from their scores):
+        optionally renormalised over the k, times ``scale``. One division per lane: each lane stores one slot."""
         cfg = self.cfg
         if cfg.normalize:
             total = weights[0]
             for j in range(1, cfg.top_k):
                 total = total + weights[j]
-            weights = [w / (total + Float32(1e-20)) for w in weights]
-        return [w * Float32(cfg.scale) for w in weights]
+            mine = mine / (total + Float32(1e-20))
+        return mine * Float32(cfg.scale)
 
     def limit_groups(self, choice, expert):
         """-inf for the experts outside the topk_group groups whose two best choices sum highest."""
