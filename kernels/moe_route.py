@@ -435,11 +435,10 @@ class MoERoute:
         rows = [mLogits.iterator.toint() + Int64(cutlass.min(t, tokens - 1)) * mLogits.shape[1] * 4 for t in toks]
         expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
         valid = [x < n for x in expert]
-        chosen = []  # per token: (ids, weights, from scores) of its k routes, in every lane
+        chosen = []  # per token: (ids, weights) of its k routes, in every lane
         if cutlass.const_expr(cfg.method == "given"):
             given = [cutlass.min(t, tokens - 1) for t in toks]
-            chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)], False)
-                      for t in given]
+            chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)]) for t in given]
         else:
             logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
                        for i in range(self.per_lane)] for row in rows]
@@ -462,25 +461,25 @@ class MoERoute:
                         picked[j] = exact[0][j]
                         picked_w[j] = exact[1][j]
                 weights = self.normalized([picked_w[j] for j in range(k)], scored[u][2], lane)
-                chosen.append(([picked[j] for j in range(k)], weights, True))
+                chosen.append(([picked[j] for j in range(k)], weights))
             if cutlass.const_expr(len(fast) == 0):
                 for logit in logits:  # per token, scores then picks (the order the kernel was measured in)
                     score, choice, total = self.scores(logit, expert, valid, bias)
                     ids, weights = self.pick(choice, expert, score)
-                    chosen.append((ids, self.normalized(weights, total, lane), True))
+                    chosen.append((ids, self.normalized(weights, total, lane)))
         gates = [Float32(1.0)] * len(toks)
         if cutlass.const_expr(cfg.shared == "gated"):
             gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4))) for row in rows]
         routes = mIds.shape[1]
         for u in cutlass.range_constexpr(len(toks)):
             tok = toks[u]
-            ids, weights, scored_weights = chosen[u]
+            ids, weights = chosen[u]
             mine, w = ids[0], weights[0]
             for j in cutlass.range_constexpr(1, k):
                 mine = cutlass.select_(lane == j, ids[j], mine)
                 w = cutlass.select_(lane == j, weights[j], w)
-            if cutlass.const_expr(scored_weights):
-                w = self.finish(weights, w)  # this lane's slot only
+            if cutlass.const_expr(cfg.method != "given"):
+                w = self.finish(weights, w)  # this lane's slot only (the caller's weights stay as given)
             if (tok < tokens) & (lane < k):
                 mIds[tok, lane] = mine
                 mW[tok, lane] = w

@@ -141,8 +141,6 @@ def test_shared_decode_gemm_compiles(bits, codebook, layout, arch):
     assert ptx.count("ld.shared.v4.b32") >= config.warp_cols * config.k_tiles_per_stage
 
 
-
-
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a", "sm_80"])
 @pytest.mark.parametrize("config", [GemmConfig(bits=4.0, codebook="mcg", token_groups=2),
                                     GemmConfig(bits=2.0, codebook="3inst", output="float16", input="float16",
