@@ -50,8 +50,9 @@ class GemmConfig:
     output: str | None = None  # fused output rotation: y's dtype ("float16", "bfloat16", "float32")
     has_bias: bool = False
     split_halves: bool = False  # mcg/3inst: two MMAs per tile add each weight's halves (trellis.split_halves_fragments)
-    # X's column order: "rows" (x as is) or "fragments" (trellis.x_fragment_slot: each lane's B words of a k-tile
-    # pair side by side, one 16-byte shared load instead of four 32-bit ones).
+    # X's column order (trellis.X_ORDERS): "rows" (x as is), "fragments" (trellis.x_fragment_slot: each lane's B
+    # words of a k-tile pair side by side, one 16-byte shared load instead of four 32-bit ones) or, with split
+    # halves, "doubled" (trellis.x_doubled_word: the B words already duplicated, one 16-byte load per k-tile).
     x_order: str = "rows"
     # Tile columns each warp multiplies: 1 = its own decoded tile, by all the CTA's tokens (private decode); 2, 4
     # or 8 = decoded tiles shared through shared memory, each warp taking warp_cols columns and token_groups /
@@ -83,6 +84,8 @@ class GemmConfig:
             raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
         if self.x_order == "fragments" and (self.split_halves or self.k_tiles_per_stage < 2):
             raise ValueError("x_order='fragments' reads k-tile pairs (k_tiles_per_stage >= 2), without split_halves")
+        if self.x_order == "doubled" and not self.split_halves:
+            raise ValueError("x_order='doubled' holds the B words of split_halves")
         if self.input is not None and (self.input not in ("float16", "bfloat16") or self.token_groups != 1
                                        or self.k_tiles_per_stage != 8 or self.resident_k_tiles % 8
                                        or self.resident_k_tiles <= 0):
@@ -106,11 +109,16 @@ class GemmConfig:
         return self.k_tiles_per_stage * self.w_row_words
 
     @property
+    def x_k_tile_words(self) -> int:
+        """Words of one token's X per k-tile: 16 fp16, doubled 32."""
+        return 16 if self.x_order == "doubled" else 8
+
+    @property
     def x_row_words(self) -> int:
-        # 8 words (16 fp16) per k-tile; rows padded so that the token rows a warp reads at once fall in distinct
-        # banks: +4 words for the 32-bit loads of row order (8 rows), +16 for the 16-byte loads of fragment order
-        # (2 rows per 8-lane phase).
-        return 8 * self.k_tiles_per_stage + (16 if self.x_order == "fragments" else 4)
+        # Rows padded so that the token rows a warp reads at once fall in distinct banks: +4 words for the 32-bit
+        # loads of row order (8 rows), +16 for the 16-byte loads of fragment and doubled order (2 rows per 8-lane
+        # phase).
+        return self.x_k_tile_words * self.k_tiles_per_stage + (4 if self.x_order == "rows" else 16)
 
     @property
     def x_stage_words(self) -> int:
@@ -119,7 +127,7 @@ class GemmConfig:
     @property
     def x_smem_words(self) -> int:
         """X in shared memory: the stage ring, or with ``input`` the one resident row of the K split."""
-        return 8 * self.resident_k_tiles if self.input else self.stages * self.x_stage_words
+        return self.x_k_tile_words * self.resident_k_tiles if self.input else self.stages * self.x_stage_words
 
     @property
     def decoded_words(self) -> int:
@@ -158,7 +166,7 @@ class TrellisGemm(DecodeGemmKernel):
         mSuh,
         stream: cuda.CUstream,
     ):
-        """mX int32 ``(M, in_p/2)``, mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32 ``(splits, M, out_p)``.
+        """mX int32 ``(M, in_p/2)`` (doubled order: ``(M, in_p)``), mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32 ``(splits, M, out_p)``.
 
         The fused epilogue (``output`` set) also takes mSvh/mBias fp16 ``(out_p,)`` (mBias None without a bias),
         mY ``(M, out_true)`` and mCounter int32 ``(ceil(M/tokens_per_cta) * out_p/128,)``; without it all four

@@ -2,7 +2,7 @@
 
 One CTA: ``cfg.warps`` warps, warp w owns weight tile column ``col_tile0 + w`` (16 output columns) of a trellis
 matrix ``W int32 [k_tiles, n_col_tiles, 8K]``; the CTA owns ``cfg.tokens_per_cta`` rows of the rotated input
-``X int32 [rows, K/2]`` (fp16 pairs, columns in ``cfg.x_order``) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
+``X int32 [rows, K/2]`` (fp16 pairs, columns in ``cfg.x_order``; ``[rows, K]`` in doubled order) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
 ``k_tiles_per_stage`` rows of weight tiles and the matching activation slab into shared memory with 16-byte
 ``cp.async``; ``stages`` are in flight. Every k-tile is decoded in registers (``trellis.decode_lane``) straight
 into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32;
@@ -32,6 +32,7 @@ from .trellis import (
     codebook_constants,
     decode_lane,
     decode_lane_halves,
+    doubled_b,
     lane_word_indices,
     mma_a_fragment,
     split_halves_fragments,
@@ -52,31 +53,33 @@ class DecodeGemmKernel:
         self.threads = 32 * config.warps
 
 
-def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0, tokens, x_row_words_g,
-               n_col_tiles, tid):
-    """Issue the cp.async copies of one stage: ``k_tiles_per_stage`` rows of the CTA's weight tiles (each row
-    one contiguous run of ``warps`` tiles) and the matching activation columns of the CTA's tokens.
+def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles, tid):
+    """This thread's cp.async copies of a stage, worked out once before the main loop: ``(shared byte address in
+    stage 0, shared bytes per stage, global byte address of chunk 0, global bytes per chunk, source bytes)``
+    each. A stage is ``k_tiles_per_stage`` rows of the CTA's weight tiles (each row one contiguous run of
+    ``warps`` tiles) and the matching activation columns of the CTA's tokens; chunk c's copy reads ``c`` strides
+    on, so the loop adds one product per copy instead of redoing the index arithmetic (``issue_stage``).
 
     A plain helper traced inline (not ``@cute.jit``): its loops and branches are compile-time Python."""
     sW_addr, sX_addr, gW_addr, gX_addr = addrs
     words = plan.words_per_tile
-    k_tile0 = k_begin + chunk * cfg.k_tiles_per_stage
-
+    copies = []
     row_chunks = cfg.w_row_words // 4
     total = cfg.k_tiles_per_stage * row_chunks
+    w_stride = Int64(n_col_tiles) * (4 * cfg.k_tiles_per_stage * words)
     for it in range((total + threads - 1) // threads):
         i = it * threads + tid
         if total % threads != 0:
             i = cutlass.min(i, total - 1)  # surplus threads repeat the last copy: same bytes, same place
         kk = i // row_chunks
         part = i % row_chunks
-        g_word = (Int64(k_tile0 + kk) * n_col_tiles + col_tile0) * words + part * 4
-        s_word = stage * cfg.w_stage_words + kk * cfg.w_row_words + part * 4
-        ptx.cp_async(sW_addr + s_word * 4, gW_addr + g_word * 4, Int32(16))
+        g_word = (Int64(k_begin + kk) * n_col_tiles + col_tile0) * words + part * 4
+        s_word = kk * cfg.w_row_words + part * 4
+        copies.append((sW_addr + s_word * 4, 4 * cfg.w_stage_words, gW_addr + g_word * 4, w_stride, Int32(16)))
 
     if cutlass.const_expr(cfg.input is not None):
-        return  # X is resident (the prologue rotated it into shared memory)
-    row_chunks = 2 * cfg.k_tiles_per_stage
+        return copies  # X is resident (the prologue rotated it into shared memory)
+    row_chunks = cfg.x_k_tile_words * cfg.k_tiles_per_stage // 4
     total = cfg.tokens_per_cta * row_chunks
     for it in range((total + threads - 1) // threads):
         i = it * threads + tid
@@ -86,10 +89,19 @@ def load_stage(cfg, plan, threads, addrs, chunk, stage, k_begin, col_tile0, tok0
         part = i % row_chunks
         tok = tok0 + row
         valid = tok < tokens
-        g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_tile0 * 8 + part * 4
-        s_word = stage * cfg.x_stage_words + row * cfg.x_row_words + part * 4
+        g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_begin * cfg.x_k_tile_words + part * 4
+        s_word = row * cfg.x_row_words + part * 4
         # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
-        ptx.cp_async(sX_addr + s_word * 4, gX_addr + g_word * 4, cutlass.select_(valid, Int32(16), Int32(0)))
+        copies.append((sX_addr + s_word * 4, 4 * cfg.x_stage_words, gX_addr + g_word * 4,
+                       Int64(4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words),
+                       cutlass.select_(valid, Int32(16), Int32(0))))
+    return copies
+
+
+def issue_stage(copies, chunk, stage):
+    """The cp.async copies of chunk ``chunk`` into stage buffer ``stage`` (``stage_copies``). Traced inline."""
+    for s_addr, s_stride, g_addr, g_stride, size in copies:
+        ptx.cp_async(s_addr + stage * s_stride, g_addr + Int64(chunk) * g_stride, size)
 
 
 @cute.jit
@@ -121,10 +133,11 @@ def decode_mma_loop(
     sX_addr = sX.iterator.toint()
     addrs = (sW.iterator.toint(), sX_addr, gW_addr, gX_addr)
 
+    copies = stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles,
+                          tid)
     for st in cutlass.range_constexpr(cfg.stages - 1):
         if st < n_chunks:
-            load_stage(cfg, plan, threads, addrs, st, st, k_begin, col_tile0, tok0, tokens, x_row_words_g,
-                       n_col_tiles, tid)
+            issue_stage(copies, st, st)
         cute.arch.cp_async_commit_group()
     if cutlass.const_expr(prologue is not None):
         prologue(sX)  # while the first stages load; the main loop's first barrier publishes what it wrote
@@ -138,15 +151,14 @@ def decode_mma_loop(
         cute.arch.sync_threads()
         ahead = chunk + cfg.stages - 1
         if ahead < n_chunks:
-            load_stage(cfg, plan, threads, addrs, ahead, ahead % cfg.stages, k_begin, col_tile0, tok0, tokens,
-                       x_row_words_g, n_col_tiles, tid)
+            issue_stage(copies, ahead, ahead % cfg.stages)
         cute.arch.cp_async_commit_group()
 
         stage = chunk % cfg.stages
         w_stage = stage * cfg.w_stage_words + w_lane
         x_stage = stage * cfg.x_stage_words
         if cutlass.const_expr(cfg.input is not None):
-            x_stage = chunk * (8 * cfg.k_tiles_per_stage)  # the resident row's words of this chunk
+            x_stage = chunk * (cfg.x_k_tile_words * cfg.k_tiles_per_stage)  # the resident row's words of this chunk
         if cutlass.const_expr(cfg.warp_cols > 1):
             shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
                               consts, warp, lane)
@@ -170,7 +182,10 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
         for mt in range(cfg.token_groups):
             row = 0 if cfg.input is not None else (mt * 8 + g) * cfg.x_row_words  # resident: the one token
             b = load_b(cfg, sX, sX_addr, x_stage + row, kk, q, b_words, mt)
-            operands = split_halves_fragments(halves, b, ptx) if cfg.split_halves else ((a, b),)
+            if cutlass.const_expr(cfg.split_halves):
+                operands = split_halves_fragments(halves, b if cfg.x_order == "doubled" else doubled_b(b, ptx), ptx)
+            else:
+                operands = ((a, b),)
             for a_m, b_m in operands:
                 c = (acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3])
                 d = ptx.mma_m16n8k16_f32(a_m, b_m, c, "float16")
@@ -179,11 +194,13 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
 
 def load_b(cfg, sX, sX_addr, row_word, kk, q, loaded, key):
     """Lane's B words of k-tile ``kk`` from its token row in the stage (``row_word``): row order, two 32-bit loads;
-    fragment order, one 16-byte load per k-tile pair, kept in ``loaded[key]`` for the pair's second k-tile.
-    Traced inline."""
+    fragment order, one 16-byte load per k-tile pair, kept in ``loaded[key]`` for the pair's second k-tile;
+    doubled order, the four doubled words (``trellis.doubled_b``) in one 16-byte load. Traced inline."""
     if cutlass.const_expr(cfg.x_order == "rows"):
         x_word = row_word + kk * 8 + q
         return (sX[x_word], sX[x_word + 4])
+    if cutlass.const_expr(cfg.x_order == "doubled"):
+        return ptx.ld_shared_v4(sX_addr + (row_word + kk * 16 + 4 * q) * 4)
     if kk % 2 == 0:
         loaded[key] = ptx.ld_shared_v4(sX_addr + (row_word + (kk // 2) * 16 + 4 * q) * 4)
     return loaded[key][2 * (kk % 2) : 2 * (kk % 2) + 2]

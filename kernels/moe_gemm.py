@@ -94,7 +94,13 @@ class MoEGemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
                           input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves,
-                          x_order=self.x_order)
+                          x_order=self.resident_order if self.input is not None else self.x_order)
+
+    @property
+    def resident_order(self) -> str:
+        """Column order of the M = 1 prologue's resident row: doubled for split halves (no HADD2 per B word in the
+        loop), else ``x_order``. X2 keeps ``x_order`` (the down GEMM reads it)."""
+        return "doubled" if self.split_halves else self.x_order
 
     @property
     def tokens_per_cta(self) -> int:
@@ -202,7 +208,7 @@ class MoEGemm(DecodeGemmKernel):
                 def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
                     rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin,
                                         n_chunks * cfg.k_tiles_per_stage // 8,
-                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.x_order, warp, cfg.warps,
+                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.resident_order, warp, cfg.warps,
                                         lane)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)

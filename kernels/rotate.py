@@ -17,7 +17,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .trellis import X_ORDERS, x_fragment_slot, x_pair_word
+from .trellis import X_ORDERS, x_doubled_word, x_fragment_slot, x_pair_word
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
@@ -64,7 +64,7 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
                        suh_matrix: cutlass.Constexpr = False):
     """A decode GEMM's prologue at M = 1: ``sX`` (fp16 pairs) = the rotated row 0 of x over the 128-blocks
     ``k_begin*16 + 128*b``, b < ``n_blocks`` (at most ``rounds * warps``), in the main loop's column order
-    (``trellis.x_fragment_slot`` of the element relative to the range), block b by warp ``b % warps``. Every
+    (``trellis.X_ORDERS``, of the element relative to the range), block b by warp ``b % warps``. Every
     round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
     ``InputRotation`` (with ``suh_matrix``, row ``suh_row`` of suh: to ``moe_rotate.RouteInputRotation``)."""
     last = cutlass.max(n_blocks - 1, 0)
@@ -74,9 +74,13 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
         v = hadamard128(scaled[r], lane)
         b = warp + r * warps
         if b < n_blocks:
-            for h in cutlass.range_constexpr(2):
-                word = x_pair_word(b * 128 + 4 * lane + 2 * h, x_order)
-                sX[word] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1], "float16")
+            e0 = b * 128 + 4 * lane
+            if cutlass.const_expr(x_order == "doubled"):
+                for i in cutlass.range_constexpr(4):
+                    sX[x_doubled_word(e0 + i)] = ptx.pack_f32x2(v[i], v[i], "float16")
+            else:
+                for h in cutlass.range_constexpr(2):
+                    sX[x_pair_word(e0 + 2 * h, x_order)] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1], "float16")
 
 
 @cute.jit
@@ -131,15 +135,17 @@ class InputRotationConfig:
 
 class InputRotation:
     """``X_rot (M, in_p) fp16 = H128(x (M, in_true) * suh)``; columns past ``in_true`` read as zero. In fragment
-    order each element goes to its ``trellis.x_fragment_slot``."""
+    order each element goes to its ``trellis.x_fragment_slot``; in doubled order X_rot is ``(M, 2*in_p)`` and each
+    element goes twice, to both halves of its ``trellis.x_doubled_word``."""
 
     def __init__(self, config: InputRotationConfig):
         self.cfg = config
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor, stream: cuda.CUstream):
-        """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16."""
-        grid = (mXr.shape[1] // 128, (mXr.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16
+        (``(M, 2*in_p)`` in doubled order)."""
+        grid = (mSuh.shape[0] // 128, (mXr.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
@@ -153,8 +159,12 @@ class InputRotation:
         if row < mX.shape[0]:
             v = rotated_quad(mX, mSuh, row, col0, lane)
             for i in cutlass.range_constexpr(4):
-                col = col0 + i if cutlass.const_expr(self.cfg.x_order == "rows") else x_fragment_slot(col0 + i)
-                mXr[row, col] = cutlass.Float16(v[i])
+                if cutlass.const_expr(self.cfg.x_order == "doubled"):
+                    for h in cutlass.range_constexpr(2):
+                        mXr[row, 2 * x_doubled_word(col0 + i) + h] = cutlass.Float16(v[i])
+                else:
+                    col = col0 + i if cutlass.const_expr(self.cfg.x_order == "rows") else x_fragment_slot(col0 + i)
+                    mXr[row, col] = cutlass.Float16(v[i])
 
 
 @dataclass(frozen=True)

@@ -257,17 +257,26 @@ def mmas_per_tile(split_halves: bool = False) -> int:
     return 2 if split_halves else 1
 
 
-def split_halves_fragments(halves, b, ops):
+def doubled_b(b, ops):
+    """The lane's four doubled B words of a k-tile, ``(x[2q], x[2q]), (x[2q+8], x[2q+8]), (x[2q+1], x[2q+1]),
+    (x[2q+9], x[2q+9])`` (MMA 0's B register pair, then MMA 1's), from its two B words ``(x[2q], x[2q+1]),
+    (x[2q+8], x[2q+9])``: what X in ``doubled`` order holds already (one swizzled HADD2 each)."""
+    return [ops.dup_half(w, h) for h in (0, 1) for w in b]
+
+
+def split_halves_fragments(halves, d, ops):
     """Two MMAs that add each weight's two fp16 halves in the tensor core instead of an HADD2 + PRMT per pair:
     in MMA m, k-slots (2q, 2q+1) of row n hold the halves of weight (k = 2q + m, n) and B holds x[2q + m] in
-    both slots (likewise 2q+8+m). Returns ((a, b) of MMA 0, (a, b) of MMA 1) from the lane's B words
-    ``b = (x[2q], x[2q+1]), (x[2q+8], x[2q+9])``. The weight is then never rounded to fp16 (exact fp32 sums)."""
-    dup = [[ops.dup_half(w, h) for w in b] for h in (0, 1)]  # (lo, lo), (hi, hi)
-    return tuple(((halves[m], halves[4 + m], halves[2 + m], halves[6 + m]), tuple(dup[m])) for m in range(2))
+    both slots (likewise 2q+8+m). Returns ((a, b) of MMA 0, (a, b) of MMA 1) from the lane's four doubled B words
+    ``d`` (``doubled_b``). The weight is then never rounded to fp16 (exact fp32 sums)."""
+    return tuple(((halves[m], halves[4 + m], halves[2 + m], halves[6 + m]), (d[2 * m], d[2 * m + 1]))
+                 for m in range(2))
 
 
-# Column orders of the GEMM's rotated input X (GemmConfig.x_order).
-X_ORDERS = ("rows", "fragments")
+# Column orders of the GEMM's rotated input X (GemmConfig.x_order): "rows" (x as is), "fragments" (each lane's B
+# words of a k-tile pair side by side) and "doubled" (every element as an fp16 pair (x, x), each lane's four words
+# of a k-tile side by side: split halves' B operands, one 16-byte load per k-tile).
+X_ORDERS = ("rows", "fragments", "doubled")
 
 
 def x_fragment_slot(e):
@@ -279,9 +288,25 @@ def x_fragment_slot(e):
     return 2 * (((e >> 5) << 4) + 4 * q + 2 * ((e >> 4) & 1) + hi8) + odd
 
 
+def x_doubled_word(e):
+    """32-bit word of a row's element ``e`` in doubled order: lane quad q's words ``(x[2q], x[2q]), (x[2q+8], ..),
+    (x[2q+1], ..), (x[2q+9], ..)`` of k-tile t (``doubled_b``) lie at words ``16t + 4q .. 16t + 4q + 3``: one
+    16-byte load gives both MMAs' B register pairs. ``e`` as in ``x_fragment_slot``."""
+    r = e & 15
+    return ((e >> 4) << 4) + 4 * ((r & 7) >> 1) + 2 * (r & 1) + (r >> 3)
+
+
+def x_row_halves(in_p: int, x_order: str) -> int:
+    """fp16 values in a row of X: ``in_p``, twice that in doubled order."""
+    return 2 * in_p if x_order == "doubled" else in_p
+
+
 def x_pair_word(e, x_order: str):
     """The 32-bit word of an X row holding its even column ``e`` and column ``e + 1`` (a pair stays one word in
-    either order), in ``x_order``: what every writer of a GEMM input uses. ``e`` as in ``x_fragment_slot``."""
+    rows and fragment order), in ``x_order``: what every writer of a GEMM input uses. ``e`` as in
+    ``x_fragment_slot``."""
+    if x_order == "doubled":
+        raise ValueError("doubled order has one word per element (x_doubled_word)")
     return e // 2 if x_order == "rows" else x_fragment_slot(e) // 2
 
 

@@ -14,11 +14,13 @@ from exl3tool.kernels.trellis import (
     TrellisPlan,
     decode_lane,
     decode_lane_halves,
+    doubled_b,
     codebook_constants,
     lane_word_indices,
     mma_a_fragment,
     split_halves_fragments,
     tile_position,
+    x_doubled_word,
     x_fragment_slot,
 )
 from exl3tool.reference import decode_trellis
@@ -111,11 +113,25 @@ def test_split_halves_mmas_compute_x_times_the_unrounded_weights(bits, codebook)
     words = x.view(np.uint32)
     g, q = LANES // 4, LANES % 4
     acc = [np.zeros(32)] * 4
-    for a, b in split_halves_fragments(halves, (words[g, q], words[g, q + 4]), emulate):
+    # B doubled in the loop (row order) or read as written (doubled order): the same four words
+    doubled = doubled_b((words[g, q], words[g, q + 4]), emulate)
+    arranged = np.zeros((8, 32), dtype=np.float16)
+    arranged[:, 2 * x_doubled_word(np.arange(16))] = x
+    arranged[:, 2 * x_doubled_word(np.arange(16)) + 1] = x
+    loaded = [arranged.view(np.uint32)[g, 4 * q + i] for i in range(4)]
+    assert all(np.array_equal(u, v) for u, v in zip(doubled, loaded))
+    for a, b in split_halves_fragments(halves, loaded, emulate):
         acc = emulate.mma_m16n8k16(a, b, acc)
     y = np.full((8, 16), np.nan)
     y[2 * q, g], y[2 * q + 1, g], y[2 * q, g + 8], y[2 * q + 1, g + 8] = acc
     np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-12, atol=1e-12)
+
+
+def test_doubled_order_is_a_permutation_within_each_k_tile():
+    """Every word of a doubled row is written once, by an element of its own k-tile (16 words per 16 elements)."""
+    cols = np.arange(256)
+    words = x_doubled_word(cols)
+    assert np.array_equal(np.sort(words), cols) and np.array_equal(words // 16, cols // 16)
 
 
 def test_fragment_order_puts_each_lanes_b_words_side_by_side():

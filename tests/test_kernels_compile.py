@@ -59,15 +59,16 @@ def test_gemm_with_fused_output_rotation_compiles(bits, codebook, token_groups, 
 def test_gemm_rotating_its_own_input_compiles(bits, codebook, input, arch):
     """M = 1: the input rotation is the GEMM's prologue (butterflies, packed fp16 pairs into shared memory); only
     the weights are staged; the resident row adds 32 bytes per k-tile of the split to the CTA's shared memory."""
-    split = arch == "sm_90a" and codebook != "mul1"
+    split = codebook != "mul1"  # as the planner at K >= 2.5 on sm_90 and sm_120: doubled B words
     base = GemmConfig(bits=bits, codebook=codebook, output="float16", split_halves=split,
-                      x_order="rows" if split else "fragments")
+                      x_order="doubled" if split else "fragments")
     config = replace(base, input=input, resident_k_tiles=64)
     ptx = ptx_of(config, arch)
     assert MMA in ptx and ptx.count("shfl.sync.bfly") >= 2 * 5 * 4  # input and output rotations
     assert "cvt.rn.f16x2.f32" in ptx and ptx.count("cp.async.cg.shared.global") < ptx_of(base, arch).count(
         "cp.async.cg.shared.global")
-    assert config.smem_bytes == base.smem_bytes - 4 * base.stages * base.x_stage_words + 64 * 32
+    row_bytes = 64 if split else 32  # per k-tile: 16 fp16, doubled in pairs
+    assert config.smem_bytes == base.smem_bytes - 4 * base.stages * base.x_stage_words + 64 * row_bytes
     with pytest.raises(ValueError, match="input"):
         replace(base, input=input, resident_k_tiles=12)
     with pytest.raises(ValueError, match="input"):
@@ -93,7 +94,7 @@ def test_dequantize_compiles(bits, codebook, arch):
 @pytest.mark.parametrize(
     "config",
     [InputRotationConfig("float16"), InputRotationConfig("bfloat16"), InputRotationConfig("float16", "fragments"),
-     InputRotationConfig("bfloat16", "fragments")]
+     InputRotationConfig("bfloat16", "fragments"), InputRotationConfig("float16", "doubled")]
     + [
         OutputRotationConfig(out, partial, bias)
         for out in ("float16", "bfloat16", "float32")
@@ -120,6 +121,8 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         GemmConfig(bits=4.0, codebook="mcg", token_groups=2, warps=8, warp_cols=4)
     with pytest.raises(ValueError, match="split_halves"):
         GemmConfig(bits=4.0, codebook="mcg", warps=8, warp_cols=2, token_groups=2, split_halves=True)
+    with pytest.raises(ValueError, match="doubled"):  # doubled B words are for the split MMAs only
+        GemmConfig(bits=4.0, codebook="mcg", x_order="doubled")
     with pytest.raises(ValueError, match="shared memory"):  # the decoded stage counts too
         GemmConfig(bits=4.0, codebook="mcg", token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=8)
 

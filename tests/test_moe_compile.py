@@ -57,13 +57,16 @@ def test_gate_up_gemm_with_the_intermediate_fused(bits, codebook, splits):
 @pytest.mark.parametrize("splits", [0, 4])
 def test_gate_up_gemm_rotating_its_own_input(x_dtype, splits):
     """M = 1: the gate/up GEMM rotates x itself (no activation copies: only weights go through cp.async), with the
-    intermediate fused or not; split halves (sm_90) doubles the MMAs."""
+    intermediate fused or not; split halves doubles the MMAs and reads the resident row in doubled order (X2, the
+    down GEMM's input, keeps the route blocks' order)."""
     plain = gemm_config(4.0, "mcg", 2, 8, intermediate_splits=splits)
     staged = ptx_of(plain)
     for split_halves in (False, True):
         cfg = dataclasses.replace(plain, input=x_dtype, resident_k_tiles=32, split_halves=split_halves)
+        assert cfg.mainloop.x_order == ("doubled" if split_halves else plain.x_order) and cfg.x_order == plain.x_order
         ptx = ptx_of(cfg)
         assert ptx.count(MMA) == (2 if split_halves else 1) * staged.count(MMA)
+        assert "0x80008000" not in ptx  # no B word doubled in the loop (trellis.doubled_b's -0.0 adds)
         # the prologue: two rotations (gate or up suh), 5 shuffles per value of a lane's 4; the fused tail's 3
         assert ptx.count("shfl.sync.bfly") == 2 * 5 * 4 + (3 * 5 * 4 if splits else 0)
         assert ptx.count("cp.async.cg.shared.global") < staged.count("cp.async.cg.shared.global")

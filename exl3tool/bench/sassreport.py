@@ -40,27 +40,34 @@ def _analyze(config, arch: str, build=None):
     return kernel
 
 
+def planned_gemm_config(bits: float, codebook: str, tokens: int, arch: str, **config):
+    """The decode GEMM config the planner picks for ``tokens`` on ``arch`` (it depends on K, codebook and M only:
+    sizes set split-K, not the kernel)."""
+    from exl3tool.ops.linear import plan_gemm
+
+    stand_in = SimpleNamespace(info=LinearInfo("sass", 4096, 4096, 4096, 4096, float(bits), Codebook(codebook),
+                                               False, False))
+    return plan_gemm(tokens, stand_in, sm_count=1, arch=arch, **config).config
+
+
 def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 256, 4096),
                 progress=None) -> SassReport:
     from exl3tool.kernels.dequant import DequantConfig
     from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
     from exl3tool.kernels.fold import FoldConfig
     from exl3tool.ops.fold import fold_builder
-    from exl3tool.ops.linear import FOLD_MIN_TOKENS, FUSED_MAX_TOKENS, plan_gemm
+    from exl3tool.ops.linear import FOLD_MIN_TOKENS, FUSED_MAX_TOKENS
     from exl3tool.sass import gemm_report, nvdisasm_path
 
     nvdisasm_path()  # SassToolError (naming the extra) before any compile
     jobs = []
     for k in bits:
-        # the planner's choice depends on K, codebook and M only (sizes set split-K, not the kernel)
-        stand_in = SimpleNamespace(info=LinearInfo("sass", 4096, 4096, 4096, 4096, float(k), Codebook(codebook),
-                                                   False, False))
         configs = {}
         for m in tokens:
-            cfg = plan_gemm(m, stand_in, sm_count=1, arch=arch).config
+            cfg = planned_gemm_config(k, codebook, m, arch)
             configs.setdefault(cfg, _gemm_label(k, codebook, cfg))
         if min(tokens) <= FUSED_MAX_TOKENS:
-            cfg = plan_gemm(min(tokens), stand_in, sm_count=1, arch=arch, output="float16").config
+            cfg = planned_gemm_config(k, codebook, min(tokens), arch, output="float16")
             configs[cfg] = _gemm_label(k, codebook, cfg) + " fused fp16 out"
         jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch)) for cfg, label in configs.items()]
         dq = DequantConfig(float(k), codebook)

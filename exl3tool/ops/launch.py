@@ -77,8 +77,9 @@ def build_dequant(cfg: DequantConfig, options: str):
 def build_input_rotation(cfg: InputRotationConfig, options: str):
     m, in_p = cute.sym_int(), cute.sym_int()
     x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
+    xr_cols = cute.sym_int() if cfg.x_order == "doubled" else in_p  # doubled: 2*in_p
     return cute.compile(InputRotation(cfg), x, fake_tensor(cutlass.Float16, in_p, align=2),
-                        fake_tensor(cutlass.Float16, m, in_p), fake_stream(), options=options)
+                        fake_tensor(cutlass.Float16, m, xr_cols), fake_stream(), options=options)
 
 
 def build_output_rotation(cfg: OutputRotationConfig, options: str):

@@ -27,7 +27,7 @@ from exl3tool.format import Codebook, LinearInfo, LinearTensors
 from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
-from exl3tool.kernels.trellis import x_fragment_slot
+from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves
 from exl3tool.ops import fold, launch
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import decode_warps, gemm_resident_ctas, split_halves, split_k
@@ -113,12 +113,12 @@ def plan_gemm(
     if token_groups is None:
         token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
     arch = arch or target_arch(lin.device)
-    config.setdefault("split_halves", split_halves(arch, codebook, token_groups))
+    config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:
         config.setdefault("warps", decode_warps(codebook, token_groups))
     # The input rotation writes X as the main loop loads it (H200, K=4 mcg, GEMM alone: M=16 22.95 vs 23.68 us,
-    # M=64 36.97 vs 42.13); split halves keeps row order (M=1: no gain from a duplicated fragment order).
-    config.setdefault("x_order", "rows" if config["split_halves"] else "fragments")
+    # M=64 36.97 vs 42.13); for split halves already doubled (no HADD2 per B word in the loop).
+    config.setdefault("x_order", "doubled" if config["split_halves"] else "fragments")
     rotated_input = config.pop("input", None)
     cfg = fitting_config(bits=float(info.bits), codebook=codebook, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
@@ -155,12 +155,12 @@ class LinearPlan:
         arch = target_arch(device)
         self.path, self.out_dtype = path, out_dtype
         self.out_shape = (tokens, info.out_features)
-        rows = ((tokens, info.in_padded), torch.float16)
         self.gemm = self.dequant = self.rotate_in = self.rotate_out = None
         if path == "fold":
             self._plan_fold(lin, tokens, in_dtype, arch)
             return
         if path == "dequant":
+            rows = ((tokens, info.in_padded), torch.float16)
             xr, partials, w_hat_t = scratch.views(device, rows, ((1, tokens, info.out_padded), torch.float16),
                                                   ((info.out_padded, info.in_padded), torch.float16))
             self.dequant = launch.dequant_launcher(
@@ -175,6 +175,7 @@ class LinearPlan:
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
                                        has_bias=lin.bias is not None and output is not None, input=rotated_input)
             x_order = self.gemm_plan.config.x_order
+            rows = ((tokens, x_row_halves(info.in_padded, x_order)), torch.float16)
             xr, partials = scratch.views(device, rows,
                                          ((self.gemm_plan.splits, tokens, info.out_padded), torch.float32))
             fn, k_split = launch.compiled(self.gemm_plan.config, arch), self.gemm_plan.k_tiles_per_split
@@ -255,9 +256,10 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
 
 def rotate_input(x: torch.Tensor, lin: DeviceLinear, out: torch.Tensor | None = None,
                  x_order: str = "rows") -> torch.Tensor:
-    """fp16 ``[M, in_p]`` = H128(x_pad * suh) per 128-column block, in a GEMM's column order."""
+    """fp16 ``[M, in_p]`` = H128(x_pad * suh) per 128-column block, in a GEMM's column order (doubled order:
+    ``[M, 2*in_p]``, ``trellis.x_doubled_word``)."""
     fn = launch.compiled(InputRotationConfig(_DTYPE_NAMES[x.dtype], x_order), target_arch(x.device))
-    xr = _output(out, (x.shape[0], lin.info.in_padded), torch.float16, x.device)
+    xr = _output(out, (x.shape[0], x_row_halves(lin.info.in_padded, x_order)), torch.float16, x.device)
     launch.input_rotation_launcher(fn, lin.suh, xr)(x)
     return xr
 
@@ -276,11 +278,17 @@ def trellis_gemm(
 
 
 def arrange_x(xr: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
-    """A row-order X ``[M, in_p]`` in the column order ``cfg`` reads (``trellis.x_fragment_slot``)."""
+    """A row-order X ``[M, in_p]`` in the column order ``cfg`` reads (``trellis.X_ORDERS``)."""
     if cfg.x_order == "rows":
         return xr
+    cols = np.arange(xr.shape[1])
+    if cfg.x_order == "doubled":
+        out = xr.new_empty((xr.shape[0], x_row_halves(xr.shape[1], "doubled")))
+        words = torch.from_numpy(2 * x_doubled_word(cols)).to(xr.device)
+        out[:, words], out[:, words + 1] = xr, xr
+        return out
     out = torch.empty_like(xr)
-    out[:, torch.from_numpy(x_fragment_slot(np.arange(xr.shape[1]))).to(xr.device)] = xr
+    out[:, torch.from_numpy(x_fragment_slot(cols)).to(xr.device)] = xr
     return out
 
 

@@ -393,7 +393,7 @@ class MoEPlan:
                        *tail, *prologue)
             if resident:
                 g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13,
-                              split_halves=split_halves(arch, g.w13_codebook, 1))
+                              split_halves=split_halves(arch, g.w13_codebook, 1, g.w13_bits))
             else:
                 step.launches.append((K.launch_input_rotation, rot, (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank,
                                                                      self.expert_row, g.group_row, row_route,

@@ -57,15 +57,21 @@ def decode_warps(codebook: str, token_groups: int) -> int:
     return 8 if token_groups == 4 or (token_groups == 8 and codebook in EIGHT_WARP_CODEBOOKS) else 4
 
 
-# Archs where the M <= 8 decode GEMM feeds each weight's two fp16 halves to two MMAs (GemmConfig.split_halves):
-# H200 measured 3-5% faster at M = 1 (an HADD2 and half a PRMT per weight traded for a second HMMA per tile) and
-# slower from M = 16. Not SM120: its fp32-accumulate mma.sync m16n8k16 takes ~32 clocks per SM sub-partition
-# (GeForce tensor rate), so two per tile would make the loop tensor-bound (~64 clk against ~48 of issue).
-SPLIT_HALVES_ARCHS = ("sm_90",)
+# Where the M <= 8 decode GEMM feeds each weight's two fp16 halves to two MMAs (GemmConfig.split_halves, with X
+# in doubled order): the smallest bitrate per arch. The split loop issues fewer instructions (sm_120a K=4 mcg 4.38
+# per weight against 5.61, sm_90a 4.33) for twice the fp32-accumulate HMMAs, so it pays unless those become the
+# bound. H200: one m16n8k16 per 7.5 clocks per SM sub-partition (measured), ~36 issue clocks per k-tile: issue-
+# bound at every K (measured 3-5% faster at M = 1 on rows order; slower from M = 16, hence one token group).
+# SM120, estimated (no such GPU here): the RTX 5090's GeForce rate, 209.5 dense TFLOP/s with fp32 accumulate over
+# 170 SMs at 2.41 GHz, is one m16n8k16 per 32 clocks per sub-partition, 64 per k-tile split; its 1.79 TB/s brings a
+# warp's k-tile (32*K bytes) to a sub-partition every 29*K clocks. So the split loop stays under the memory time
+# from K = 2.5 on (K=4: 64 against 117 clocks; issue 35 either way) and would be tensor-bound at K = 2 (64 > 59).
+SPLIT_HALVES_MIN_BITS = {"sm_90": 1.0, "sm_120": 2.5, "sm_121": 2.5}
 
 
-def split_halves(arch: str, codebook: str, token_groups: int) -> bool:
-    return arch.rstrip("af") in SPLIT_HALVES_ARCHS and codebook != "mul1" and token_groups == 1
+def split_halves(arch: str, codebook: str, token_groups: int, bits: float) -> bool:
+    min_bits = SPLIT_HALVES_MIN_BITS.get(arch.rstrip("af"))
+    return min_bits is not None and bits >= min_bits and codebook != "mul1" and token_groups == 1
 
 
 def limits(arch: str) -> SmLimits:

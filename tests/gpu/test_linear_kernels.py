@@ -96,14 +96,15 @@ def test_input_rotation_matches_reference(seed, dtype):
     assert torch.allclose(got, ref.half().float(), rtol=2e-3, atol=1e-4), f"seed={seed}"
 
 
-def test_input_rotation_writes_the_gemms_fragment_order(seed):
-    """The rotation in fragment order = the row-order rotation rearranged, bit for bit."""
+@pytest.mark.parametrize("x_order", ["fragments", "doubled"])
+def test_input_rotation_writes_the_gemms_column_order(seed, x_order):
+    """The rotation in fragment or doubled order = the row-order rotation rearranged, bit for bit."""
     tensors, lin = device_linear(seed, 300, 256, 4.0, "mcg")
     x = torch.randn(19, 300, dtype=torch.float16, device="cuda")
-    cfg = GemmConfig(4.0, "mcg", x_order="fragments")
+    cfg = GemmConfig(4.0, "mcg", x_order=x_order, split_halves=x_order == "doubled")
     rows = ops.rotate_input(x, lin)
-    out = poisoned((19, lin.info.in_padded), torch.float16)
-    got = ops.rotate_input(x, lin, out=out, x_order="fragments")
+    out = poisoned((19, (1 + (x_order == "doubled")) * lin.info.in_padded), torch.float16)
+    got = ops.rotate_input(x, lin, out=out, x_order=x_order)
     assert torch.equal(got.view(torch.int16), ops.arrange_x(rows, cfg).view(torch.int16)), f"seed={seed}"
 
 
