@@ -130,6 +130,12 @@ class GemmConfig:
         return self.x_k_tile_words * self.resident_k_tiles if self.input else self.stages * self.x_stage_words
 
     @property
+    def max_resident_k_tiles(self) -> int:
+        """The most k-tiles (a multiple of 8) a resident row of x (``input``) can hold beside the weight stages."""
+        free = SMEM_LIMIT_BYTES - 4 * self.stages * self.w_stage_words - 16
+        return free // (4 * self.x_k_tile_words) // 8 * 8
+
+    @property
     def decoded_words(self) -> int:
         """Shared decode's buffer: one stage of A fragments (32 lanes x 4 words per tile)."""
         return self.k_tiles_per_stage * self.warps * 128 if self.warp_cols > 1 else 0
@@ -166,7 +172,8 @@ class TrellisGemm(DecodeGemmKernel):
         mSuh,
         stream: cuda.CUstream,
     ):
-        """mX int32 ``(M, in_p/2)`` (doubled order: ``(M, in_p)``), mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32 ``(splits, M, out_p)``.
+        """mX int32 ``(M, in_p/2)`` (doubled order: ``(M, in_p)``), mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32
+        ``(splits, M, out_p)``.
 
         The fused epilogue (``output`` set) also takes mSvh/mBias fp16 ``(out_p,)`` (mBias None without a bias),
         mY ``(M, out_true)`` and mCounter int32 ``(ceil(M/tokens_per_cta) * out_p/128,)``; without it all four

@@ -2,11 +2,12 @@
 
 One CTA: ``cfg.warps`` warps, warp w owns weight tile column ``col_tile0 + w`` (16 output columns) of a trellis
 matrix ``W int32 [k_tiles, n_col_tiles, 8K]``; the CTA owns ``cfg.tokens_per_cta`` rows of the rotated input
-``X int32 [rows, K/2]`` (fp16 pairs, columns in ``cfg.x_order``; ``[rows, K]`` in doubled order) from ``tok0`` on, rows past ``tokens`` read as zero. Each stage brings
-``k_tiles_per_stage`` rows of weight tiles and the matching activation slab into shared memory with 16-byte
-``cp.async``; ``stages`` are in flight. Every k-tile is decoded in registers (``trellis.decode_lane``) straight
-into the A operand of ``mma.m16n8k16`` (swapped operands: weights are A, 8 tokens are B), accumulating fp32;
-with ``cfg.split_halves`` each weight's two hashed fp16 halves go to two MMAs instead (``trellis``).
+``X int32 [rows, K/2]`` (fp16 pairs, columns in ``cfg.x_order``; ``[rows, K]`` in doubled order) from ``tok0`` on,
+rows past ``tokens`` read as zero. Each stage brings ``k_tiles_per_stage`` rows of weight tiles and the matching
+activation slab into shared memory with 16-byte ``cp.async``; ``stages`` are in flight. Every k-tile is decoded in
+registers (``trellis.decode_lane``) straight into the A operand of ``mma.m16n8k16`` (swapped operands: weights are
+A, 8 tokens are B), accumulating fp32; with ``cfg.split_halves`` each weight's two hashed fp16 halves go to two MMAs
+instead (``trellis``).
 
 With ``cfg.warp_cols`` > 1 (shared decode) the decoded tiles go through shared memory instead: each warp still
 decodes its own tile column, stores the A fragments (16 bytes per lane), and after a barrier warp w multiplies

@@ -208,8 +208,8 @@ class MoEGemm(DecodeGemmKernel):
                 def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
                     rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin,
                                         n_chunks * cfg.k_tiles_per_stage // 8,
-                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.resident_order, warp, cfg.warps,
-                                        lane)
+                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.resident_order, warp,
+                                        cfg.warps, lane)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:

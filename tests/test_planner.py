@@ -52,3 +52,16 @@ def test_eight_warps_where_they_keep_the_occupancy(arch):
     assert warps(64, (4096, 4096), "3inst") == warps(64, (4096, 4096), "mul1") == 4
     assert warps(32, (4096, 14336), "mul1") == warps(24, (14336, 4096), "3inst") == warps(32, (4096, 4096)) == 8
     assert warps(16, (4096, 4096)) == warps(1, (4096, 4096)) == 4
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("bits", [4.0, 8.0])
+def test_one_token_plan_keeps_the_resident_row_in_shared_memory(arch, bits):
+    """At M = 1 the GEMM holds its split's row of x in shared memory (doubled for split halves): a wide K with a
+    grid that needs no split-K (a vocabulary head) still gets a split that fits the 99 KB per CTA."""
+    in_p, out_p = 32768, 132 * 31 * 4 * 16  # one split would fill 31 whole waves: the cheapest without the cap
+    plan = plan_gemm(1, linear(in_p, out_p, bits), 132, arch=arch, input="float16")
+    cfg = plan.config
+    assert cfg.input == "float16" and cfg.resident_k_tiles == plan.k_tiles_per_split <= cfg.max_resident_k_tiles
+    assert cfg.smem_bytes <= 99 * 1024 and plan.splits * plan.k_tiles_per_split >= in_p // 16
+    assert plan.splits > 1  # the whole K (2048 k-tiles) would not fit

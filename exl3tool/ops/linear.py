@@ -124,7 +124,9 @@ def plan_gemm(
     k_tiles = info.in_padded // 16
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)
     slots = gemm_resident_ctas(arch, cfg) * sm_count
-    per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count)
+    # With the input rotated in the prologue, a split's row of x must fit in shared memory beside the stages.
+    fits = cfg.max_resident_k_tiles if rotated_input is not None else None
+    per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count, fits)
     if rotated_input is not None:
         cfg = replace(cfg, input=rotated_input, resident_k_tiles=per_split)
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)

@@ -103,11 +103,16 @@ def gemm_resident_ctas(arch: str, cfg) -> int:
     return resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, GEMM_REGISTERS[cfg.token_groups])
 
 
-def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int) -> int:
-    """k-tiles per split (a multiple of ``stage``, at least two stages unless K is shorter): the grid fills at
-    least ``slots`` (= resident CTAs x SMs, one whole wave) where K allows, and among those sizes the one whose
-    busiest SM streams the least (ceil(CTAs / SMs) x (tiles + fixed cost)); ties go to fewer splits."""
-    sizes = range(stage * min(2, -(-k_tiles // stage)), stage * -(-k_tiles // stage) + 1, stage)
+def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int,
+            max_per_split: int | None = None) -> int:
+    """k-tiles per split (a multiple of ``stage``, at least two stages unless K is shorter, at most
+    ``max_per_split``): the grid fills at least ``slots`` (= resident CTAs x SMs, one whole wave) where K allows,
+    and among those sizes the one whose busiest SM streams the least (ceil(CTAs / SMs) x (tiles + fixed cost));
+    ties go to fewer splits."""
+    longest = stage * -(-k_tiles // stage)
+    if max_per_split is not None:
+        longest = min(longest, max_per_split // stage * stage)
+    sizes = range(min(stage * min(2, -(-k_tiles // stage)), longest), longest + 1, stage)
 
     def ctas(per_split):
         return ctas_per_split * math.ceil(k_tiles / per_split)
