@@ -110,7 +110,7 @@ class GemmConfig:
 
     @property
     def x_k_tile_words(self) -> int:
-        """Words of one token's X per k-tile: 16 fp16, doubled 32."""
+        """32-bit words of one token's X per k-tile: 8 (16 fp16 values), 16 in doubled order."""
         return 16 if self.x_order == "doubled" else 8
 
     @property

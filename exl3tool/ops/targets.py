@@ -65,7 +65,7 @@ def decode_warps(codebook: str, token_groups: int) -> int:
 # SM120, estimated (no such GPU here): the RTX 5090's GeForce rate, 209.5 dense TFLOP/s with fp32 accumulate over
 # 170 SMs at 2.41 GHz, is one m16n8k16 per 32 clocks per sub-partition, 64 per k-tile split; its 1.79 TB/s brings a
 # warp's k-tile (32*K bytes) to a sub-partition every 29*K clocks. So the split loop stays under the memory time
-# from K = 2.5 on (K=4: 64 against 117 clocks; issue 35 either way) and would be tensor-bound at K = 2 (64 > 59).
+# from K = 2.5 on (K=4: 64 against 117 clocks; it issues 35 a k-tile) and would be tensor-bound at K = 2 (64 > 59).
 SPLIT_HALVES_MIN_BITS = {"sm_90": 1.0, "sm_120": 2.5, "sm_121": 2.5}
 
 
