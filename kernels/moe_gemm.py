@@ -70,9 +70,10 @@ class MoEGemmConfig:
     # the ``TopKSum`` launch's work for the token in the last CTA to arrive at each 128-column block (all routes,
     # splits and groups: the counter spans every group's launch); ``topk_sum`` is that launch's config.
     topk_sum: TopKSumConfig | None = None
-    # X's (and the fused intermediate's X2) column order, as GemmConfig.x_order: what the route input rotation and
-    # the intermediate write (moe_rotate.store_x_quad)
+    # X's column order, as GemmConfig.x_order: what the route input rotation (or the intermediate, for the down
+    # GEMM) writes (moe_rotate.store_x_quad); x2_order: the fused intermediate's X2 (the down GEMM's x_order)
     x_order: str = "rows"
+    x2_order: str = "rows"
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -99,7 +100,7 @@ class MoEGemmConfig:
     @property
     def resident_order(self) -> str:
         """Column order of the M = 1 prologue's resident row: doubled for split halves (no HADD2 per B word in the
-        loop), else ``x_order``. X2 keeps ``x_order`` (the down GEMM reads it)."""
+        loop), else ``x_order``."""
         return "doubled" if self.split_halves else self.x_order
 
     @property
@@ -244,13 +245,13 @@ class MoEGemm(DecodeGemmKernel):
                     if cutlass.const_expr(cfg.input is not None):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
-                                             cfg.intermediate_splits, cfg.x_order)
+                                             cfg.intermediate_splits, cfg.x2_order)
                     else:
                         for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                             row = tok0 + r * cfg.warps + warp
                             if mRowRoute[row] >= 0:  # padding rows stay unwritten, as in Intermediate
                                 intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
-                                                 cfg.intermediate_splits, cfg.x_order)
+                                                 cfg.intermediate_splits, cfg.x2_order)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 

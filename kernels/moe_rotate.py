@@ -28,7 +28,7 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .rotate import hadamard128
-from .trellis import x_pair_word
+from .trellis import x_doubled_word, x_pair_word, x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
@@ -75,10 +75,16 @@ def load4(tensor, row, col, dtype: str = "float16"):
 
 def store_x_quad(row_addr, col0, values, x_order: str):
     """A lane's four consecutive columns ``col0 ..`` (a multiple of 4) of a GEMM input row at ``row_addr``, fp16, in
-    the GEMM's column order: rows (one 8-byte store) or fragments (``trellis.x_fragment_slot``: two 4-byte stores,
-    the column pairs (col0, col0+1) and (col0+2, col0+3))."""
+    the GEMM's column order: rows (one 8-byte store), fragments (``trellis.x_fragment_slot``: two 4-byte stores,
+    the column pairs (col0, col0+1) and (col0+2, col0+3)) or doubled (``trellis.x_doubled_word``: four 4-byte
+    stores of (v, v))."""
     if x_order == "rows":
         store4(row_addr + Int64(col0) * 2, values, "float16")
+        return
+    if x_order == "doubled":
+        for i in range(4):
+            ptx.st_global_u32(row_addr + Int64(x_doubled_word(col0 + i)) * 4,
+                              ptx.pack_f32x2(values[i], values[i], "float16"))
         return
     for h in range(2):
         word = x_pair_word(col0 + 2 * h, x_order)
@@ -114,7 +120,7 @@ class RouteInputRotation:
     def __call__(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
                  mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                  mRowRoute: cute.Tensor, mRouteRow: cute.Tensor, stream: cuda.CUstream):
-        grid = (mX.shape[0], (mXr.shape[2] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA, self.cfg.slot_groups)
+        grid = (mX.shape[0], (mGateSuh.shape[1] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA, self.cfg.slot_groups)
         self.kernel(mX, mGateSuh, mUpSuh, mXr, mIds, mRank, mExpertRow, mGroupRow, mRowRoute, mRouteRow).launch(
             grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
@@ -128,7 +134,7 @@ class RouteInputRotation:
         tok, bx, z = cute.arch.block_idx()
         lane = tid % 32
         block = bx * BLOCKS_PER_CTA + tid // 32
-        h_p = mXr.shape[2]
+        h_p = mGateSuh.shape[1]  # X rows hold x_row_halves(h_p) fp16
         if block * 128 < h_p:
             col0 = block * 128 + 4 * lane
             x = [Float32(0.0)] * 4
@@ -151,8 +157,9 @@ class RouteInputRotation:
                     for plane in cutlass.range_constexpr(2):
                         suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
-                        store_x_quad(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * h_p * 2, col0, v,
-                                     self.cfg.x_order)
+                        row_bytes = 2 * x_row_halves(h_p, self.cfg.x_order)
+                        store_x_quad(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes, col0,
+                                     v, self.cfg.x_order)
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
                         mRouteRow[route] = row
@@ -172,7 +179,7 @@ class Intermediate:
     def __call__(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                  mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32,
                  stream: cuda.CUstream):
-        grid = (mX2.shape[1] // 128, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        grid = (mRot.shape[1] // 3 // 128, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, inter_true, block_rows).launch(
             grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
@@ -193,7 +200,7 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
     """One warp, packed row ``row`` of group row ``p``, 128-column block ``block`` of the intermediate (above):
     ``X2[row, block] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``. The ``Intermediate``
     kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
-    inter_p = mX2.shape[1]
+    inter_p = mRot.shape[1] // 3  # X2 rows hold x_row_halves(inter_p) fp16
     col0 = block * 128 + 4 * lane
     gate_svh = load4(mRot, p, col0)
     up_svh = load4(mRot, p, inter_p + col0)
@@ -207,7 +214,7 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
         hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
         h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
     v = hadamard128(h, lane)
-    store_x_quad(mX2.iterator.toint() + Int64(row) * inter_p * 2, col0, v, x_order)
+    store_x_quad(mX2.iterator.toint() + Int64(row) * (2 * x_row_halves(inter_p, x_order)), col0, v, x_order)
 
 
 @dataclass(frozen=True)

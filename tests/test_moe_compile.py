@@ -75,6 +75,18 @@ def test_gate_up_gemm_rotating_its_own_input(x_dtype, splits):
         dataclasses.replace(gemm_config(4.0, "mcg", 1, 8), input=x_dtype, resident_k_tiles=32)
 
 
+@pytest.mark.parametrize("planes,splits", [(2, 0), (2, 3), (1, 0)])
+def test_split_halves_gemms_read_doubled_inputs(planes, splits):
+    """8-row blocks with split halves: two MMAs per tile, B words loaded doubled (no doubling in the loop); the
+    fused intermediate writes X2 doubled for the down GEMM (four 4-byte stores of (v, v) per lane and block)."""
+    plain = gemm_config(4.0, "mcg", planes, 8, intermediate_splits=splits)
+    split = gemm_config(4.0, "mcg", planes, 8, split_halves=True, x2_order="doubled", intermediate_splits=splits)
+    assert split.x_order == "doubled" and plain.x_order == "rows"
+    ptx, base = ptx_of(split), ptx_of(plain)
+    assert ptx.count(MMA) == 2 * base.count(MMA) and "0x80008000" not in ptx
+    assert ptx.count("ld.shared.v4.b32") > base.count("ld.shared.v4.b32")  # one 16-byte B load per k-tile
+
+
 @pytest.mark.parametrize("routes,out_dtype,splits", [(8, "float16", 3), (9, "bfloat16", 1), (33, "float32", 2)])
 @pytest.mark.parametrize("bits,codebook", [(4.0, "mcg"), (2.0, "mul1")])
 def test_down_gemm_with_the_topk_sum_fused(bits, codebook, routes, out_dtype, splits):
@@ -165,15 +177,17 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
 @pytest.mark.parametrize("config", [RouteInputRotationConfig("float16", 8), RouteInputRotationConfig("bfloat16", 9),
                                     RouteInputRotationConfig("float16", 8, 8), RouteInputRotationConfig("bfloat16", 9, 9),
                                     RouteInputRotationConfig("float16", 8, 1, "fragments"),
+                                    RouteInputRotationConfig("bfloat16", 8, 1, "doubled"),
                                     IntermediateConfig(1), IntermediateConfig(4), IntermediateConfig(2, "fragments"),
+                                    IntermediateConfig(1, "doubled"),
                                     TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
                                     TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4)], ids=str)
 def test_rotations_compile(config):
     ptx = ptx_of(config)
     assert ptx.count("shfl.sync.bfly") >= 5 * 4
-    if getattr(config, "x_order", "rows") == "fragments":  # a GEMM input in fragment order: two column pairs apart
-        assert "st.global.u32" in ptx and "st.global.v2.b32" not in ptx
+    if getattr(config, "x_order", "rows") in ("fragments", "doubled"):  # 4-byte stores: column pairs apart, or
+        assert "st.global.u32" in ptx and "st.global.v2.b32" not in ptx  # each value doubled
     else:  # 8-byte (16-bit values) or 16-byte (fp32 output) vector stores
         assert "st.global.v2.b32" in ptx or "st.global.v4.f32" in ptx
     assert "st.global.b16" not in ptx and "st.global.u16" not in ptx

@@ -80,3 +80,17 @@ def test_the_intermediate_is_fused_only_into_a_one_wave_gate_up_grid():
     d = moe()
     assert [m for m in (1, 2, 4, 16, 64, 256, 4096) if step_shape(d, m, 132).fused_intermediate] == [1]
     assert step_shape(d, 2, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate
+
+
+def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
+    """8-row route blocks (one token group) split each weight's halves where the dense M <= 8 GEMM does
+    (targets.split_halves), so X and X2 are written doubled; larger blocks and mul1 keep their orders."""
+    from exl3tool.ops.moe import group_splits, x_order
+
+    mcg = SimpleNamespace(w13_codebook="mcg", w13_bits=4.0, w2_codebook="mul1", w2_bits=4.0)
+    assert group_splits("sm_90a", mcg, 8) == (True, False) and group_splits("sm_120a", mcg, 8) == (True, False)
+    assert group_splits("sm_90a", mcg, 32) == (False, False)
+    low = SimpleNamespace(w13_codebook="3inst", w13_bits=2.0, w2_codebook="mcg", w2_bits=2.0)
+    assert group_splits("sm_120a", low, 8) == (False, False) and group_splits("sm_90a", low, 8) == (True, True)
+    assert [x_order(rows, split) for rows, split in ((8, True), (8, False), (32, False), (128, False))] == [
+        "doubled", "rows", "fragments", "rows"]

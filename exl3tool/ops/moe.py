@@ -35,6 +35,7 @@ from exl3tool.format import Codebook
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
+from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
@@ -235,9 +236,18 @@ def fused_topk(tokens: int, given: bool) -> bool:
     return tokens <= FUSED_TOPK_TOKENS and not given
 
 
-def x_order(block_rows: int) -> str:
-    """Column order of X and X2 (both GEMMs' inputs) for route blocks of ``block_rows``."""
+def x_order(block_rows: int, split: bool = False) -> str:
+    """Column order of a GEMM's input (X or X2) for route blocks of ``block_rows``: doubled for split halves."""
+    if split:
+        return "doubled"
     return "fragments" if block_rows in FRAGMENT_ORDER_ROWS else "rows"
+
+
+def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
+    """Split halves (targets.split_halves) for the gate/up and the down GEMM of a group, one token group a block."""
+    tg = block_rows // 8
+    return (split_halves(arch, group.w13_codebook, tg, group.w13_bits),
+            split_halves(arch, group.w2_codebook, tg, group.w2_bits))
 
 
 def gemm_layout(block_rows: int, codebook: str) -> dict:
@@ -246,7 +256,7 @@ def gemm_layout(block_rows: int, codebook: str) -> dict:
 
 
 def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, **fields) -> MoEGemmConfig:
-    fields.setdefault("x_order", x_order(block_rows))
+    fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False)))
     return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **gemm_layout(block_rows, codebook),
                          **fields)
 
@@ -304,9 +314,12 @@ class MoEPlan:
         self.block_expert = new(max(s.blocks for s in shapes), torch.int32)
         self.row_route = new(rows, torch.int32)
         self.route_row = new(max_tokens * k, torch.int32)
-        self.xr = new(2 * rows * h_p, torch.float16)
+        # X and X2 rows are twice as wide where a step's GEMM reads them doubled (split halves)
+        widths = [[(x_row_halves(h_p, x_order(s.block_rows, a)), x_row_halves(i_p, x_order(s.block_rows, b)))
+                   for a, b in (group_splits(self.arch, g, s.block_rows) for g in dmoe.groups)] for s in shapes]
+        self.xr = new(max(2 * s.rows * max(w for w, _ in ws) for s, ws in zip(shapes, widths)), torch.float16)
         self.p13 = new(max(s.splits13 * s.rows for s in shapes) * 2 * i_p, torch.float32)
-        self.x2 = new(rows * i_p, torch.float16)
+        self.x2 = new(max(s.rows * max(w for _, w in ws) for s, ws in zip(shapes, widths)), torch.float16)
         self.p2 = new(max(s.splits2 * s.rows for s in shapes) * h_p, torch.float32)
         self.y = new(max_tokens * dmoe.hidden, self.out_dtype)
         self.dummy_i32 = torch.zeros(1, 1, dtype=torch.int32, device=device)
@@ -347,7 +360,6 @@ class MoEPlan:
         row_route = self.row_route[:rows]
         route_row = self.route_row[: tokens * k]
         rank = self.rank[: tokens * k]
-        xr = self.xr[: 2 * rows * h_p].view(2, rows, h_p)
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
         step.route = (K.compiled(route_cfg, arch), *map(to_ffi, (d.router, bias, self.dummy_i32, self.dummy_f32,
@@ -358,10 +370,6 @@ class MoEPlan:
         # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
         # (decode), a warp per slot instead (x re-read from L2).
         slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
-        order = x_order(s.block_rows)
-        rot = None if resident else K.compiled(RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups,
-                                                                        order), arch)
-        inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13, order), arch)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
         # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
@@ -374,11 +382,18 @@ class MoEPlan:
         (topk_counter,) = counters.views(d.device, ((col_blocks,), torch.int32))
         for g in d.groups:
             i_p = g.intermediate_padded
+            split13, split2 = group_splits(arch, g, s.block_rows)
+            order13, order2 = x_order(s.block_rows, split13), x_order(s.block_rows, split2)
+            hx, ix = x_row_halves(h_p, order13), x_row_halves(i_p, order2)
+            xr = self.xr[: 2 * rows * hx].view(2, rows, hx)
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
-            x2 = self.x2[: rows * i_p].view(rows, i_p)
-            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows,
+            x2 = self.x2[: rows * ix].view(rows, ix)
+            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, split_halves=split13, x2_order=order2,
                               intermediate_splits=s.splits13 if s.fused_intermediate else 0)
-            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows)
+            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, split_halves=split2)
+            rot = None if resident else K.compiled(
+                RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13), arch)
+            inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13, order2), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
@@ -392,8 +407,7 @@ class MoEPlan:
             gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
                        *tail, *prologue)
             if resident:
-                g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13,
-                              split_halves=split_halves(arch, g.w13_codebook, 1, g.w13_bits))
+                g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13)
             else:
                 step.launches.append((K.launch_input_rotation, rot, (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank,
                                                                      self.expert_row, g.group_row, row_route,
