@@ -134,7 +134,8 @@ class RouteInputRotation:
         tok, bx, z = cute.arch.block_idx()
         lane = tid % 32
         block = bx * BLOCKS_PER_CTA + tid // 32
-        h_p = mGateSuh.shape[1]  # X rows hold x_row_halves(h_p) fp16
+        h_p = mGateSuh.shape[1]
+        row_bytes = 2 * x_row_halves(h_p, self.cfg.x_order)  # an X row: x_row_halves(h_p) fp16
         if block * 128 < h_p:
             col0 = block * 128 + 4 * lane
             x = [Float32(0.0)] * 4
@@ -157,7 +158,6 @@ class RouteInputRotation:
                     for plane in cutlass.range_constexpr(2):
                         suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
-                        row_bytes = 2 * x_row_halves(h_p, self.cfg.x_order)
                         store_x_quad(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes, col0,
                                      v, self.cfg.x_order)
                     if block == 0 and lane == 0:

@@ -315,11 +315,15 @@ class MoEPlan:
         self.row_route = new(rows, torch.int32)
         self.route_row = new(max_tokens * k, torch.int32)
         # X and X2 rows are twice as wide where a step's GEMM reads them doubled (split halves)
-        widths = [[(x_row_halves(h_p, x_order(s.block_rows, a)), x_row_halves(i_p, x_order(s.block_rows, b)))
-                   for a, b in (group_splits(self.arch, g, s.block_rows) for g in dmoe.groups)] for s in shapes]
-        self.xr = new(max(2 * s.rows * max(w for w, _ in ws) for s, ws in zip(shapes, widths)), torch.float16)
+        x_halves = x2_halves = 0
+        for s in shapes:
+            for g in dmoe.groups:
+                split13, split2 = group_splits(self.arch, g, s.block_rows)
+                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13)))
+                x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, x_order(s.block_rows, split2)))
+        self.xr = new(x_halves, torch.float16)
         self.p13 = new(max(s.splits13 * s.rows for s in shapes) * 2 * i_p, torch.float32)
-        self.x2 = new(max(s.rows * max(w for _, w in ws) for s, ws in zip(shapes, widths)), torch.float16)
+        self.x2 = new(x2_halves, torch.float16)
         self.p2 = new(max(s.splits2 * s.rows for s in shapes) * h_p, torch.float32)
         self.y = new(max_tokens * dmoe.hidden, self.out_dtype)
         self.dummy_i32 = torch.zeros(1, 1, dtype=torch.int32, device=device)
