@@ -39,7 +39,7 @@ _PIPE_OPCODES = {
         "HMNMX2 PLOP3 P2R R2P MOV BMSK BREV FLO POPC SGXT F2FP I2IP ICMP FCHK"
     ),
     "fma": "FFMA FADD FMUL FFMA2 FADD2 FMUL2 IMAD IMUL IDP HFMA2 HADD2 HMUL2",
-    "tensor": "HMMA IMMA DMMA BMMA QMMA OMMA",
+    "tensor": "HMMA IMMA DMMA BMMA QMMA OMMA HGMMA",
     "memory": "LD ST LDG STG LDS STS LDL STL LDSM STSM LDGSTS ATOM ATOMS ATOMG RED LDC LDCU ULDC SHFL",
 }
 PIPE_OF_OPCODE = {op: pipe for pipe, ops in _PIPE_OPCODES.items() for op in ops.split()}
@@ -282,6 +282,8 @@ def gemm_report(config, arch: str = "sm_120a") -> KernelSass:
     from exl3tool.ops import launch
 
     cubin = compile_cubin(lambda options: launch.BUILDERS[type(config)](config, options), arch)
-    mmas = config.token_groups * mmas_per_tile(getattr(config, "split_halves", False))
+    # weights decoded per tensor instruction: a warp's 16x16 tile per HMMA per token group, per HGMMA (warpgroup)
+    mmas = 1 if getattr(config, "mma", "sync") == "wgmma" else (
+        config.token_groups * mmas_per_tile(getattr(config, "split_halves", False)))
     (kernel,) = analyze_cubin(cubin, weights_per_mma=8 / mmas, dynamic_smem_bytes=config.smem_bytes)
     return kernel

@@ -12,6 +12,11 @@ to ``P[split, token, column]`` in fp32. Then either ``rotate.OutputRotation`` re
 128-column block; the last one to arrive (all splits of the block written) sums the partials in split order,
 rotates, scales by svh, adds the bias and writes y, then resets the counter to 0 for the next launch.
 
+On sm_90a, from 33 tokens on, ``mma="wgmma"``: warps come in warpgroups of four whose decoded tiles (64 output
+columns, the same A-fragment registers) multiply all the CTA's tokens (up to 256) with one asynchronous
+``wgmma.m64nNk16`` per k-tile, B read by descriptor from shared memory where cp.async put X (``mainloop``). The
+accumulators have the mma.m16n8k16 layout, so the partial-sum stores and the fused epilogue are the same.
+
 Arguments are tensors (``exl3tool.ops.launch`` passes torch tensors through TVM FFI): X int32 ``[M, in_p/2]``
 (fp16 pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
 ``[splits, M, out_p]``, all contiguous and 16-byte aligned.
@@ -36,6 +41,8 @@ from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here
 from .trellis import X_ORDERS, TrellisPlan
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
+WGMMA_SMEM_LIMIT_BYTES = 227 * 1024  # the warpgroup-MMA GEMM runs on sm_90a only: its per-CTA limit
+MMAS = ("sync", "wgmma")
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,19 @@ class GemmConfig:
     # (no input-rotation launch). ``resident_k_tiles`` sizes that buffer: the plan's k-tiles per split.
     input: str | None = None
     resident_k_tiles: int = 0
+    # "sync": warp-level mma.sync (every arch). "wgmma" (sm_90a only): the CTA is one warpgroup whose four decoded
+    # tiles (64 output columns, in registers) multiply all its tokens (up to 256) with one asynchronous warpgroup
+    # MMA per k-tile, B read from shared memory where cp.async put it (128-byte swizzled token rows, ``ptx``); the
+    # warps decode the next stage while the tensor cores work on this one.
+    mma: str = "sync"
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
-        if self.token_groups not in (1, 2, 4, 8, 16) or (self.token_groups == 16 and self.warp_cols == 1):
+        if self.mma not in MMAS:
+            raise ValueError(f"mma must be one of {', '.join(MMAS)}")
+        if self.mma == "wgmma":
+            self._check_wgmma()
+        elif self.token_groups not in (1, 2, 4, 8, 16) or (self.token_groups == 16 and self.warp_cols == 1):
             raise ValueError("token_groups must be 1, 2, 4 or 8 (16 with shared decode)")
         if self.warp_cols not in (1, 2, 4, 8) or self.warp_cols > self.warps or self.token_groups % self.warp_cols:
             raise ValueError("warp_cols must be 1, 2, 4 or 8, at most warps, and divide token_groups")
@@ -93,8 +109,20 @@ class GemmConfig:
                              "positive multiple of 8")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
-        if self.smem_bytes > SMEM_LIMIT_BYTES:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT_BYTES})")
+        limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
+        if self.smem_bytes > limit:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {limit})")
+
+    def _check_wgmma(self):
+        if self.token_groups not in (1, 2, 4, 8, 16, 32):
+            raise ValueError("wgmma: token_groups must be 1, 2, 4, 8, 16 or 32 (8 to 256 tokens)")
+        if (self.warps not in (4, 8) or self.warp_cols != 1 or self.split_halves or self.x_order != "rows"
+                or self.input is not None):
+            raise ValueError("wgmma: one or two warpgroups (4 or 8 warps) of private decode, X in row order, no "
+                             "split_halves or input")
+        if self.k_tiles_per_stage not in (4, 8) or self.stages < 3:
+            raise ValueError("wgmma: 4 or 8 k-tiles per stage (whole 128-byte swizzle atoms) and at least 3 "
+                             "stages (one stage is read by the MMAs in flight)")
 
     @property
     def tokens_per_cta(self) -> int:
@@ -118,6 +146,8 @@ class GemmConfig:
         # Rows padded so that the token rows a warp reads at once fall in distinct banks: +4 words for the 32-bit
         # loads of row order (8 rows), +16 for the 16-byte loads of fragment and doubled order (2 rows per 8-lane
         # phase).
+        if self.mma == "wgmma":
+            return self.x_k_tile_words * self.k_tiles_per_stage  # swizzled, not padded
         return self.x_k_tile_words * self.k_tiles_per_stage + (4 if self.x_order == "rows" else 16)
 
     @property
@@ -142,7 +172,8 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16
+        align = 1024 if self.mma == "wgmma" else 0  # the swizzled X stages start on a 1024-byte boundary
+        return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16 + align
 
 
 def fitting_config(**fields) -> GemmConfig:

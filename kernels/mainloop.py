@@ -14,6 +14,10 @@ decodes its own tile column, stores the A fragments (16 bytes per lane), and aft
 ``warp_cols`` tile columns by its share of the CTA's tokens (``acc_groups``). Each weight is then decoded once
 per ``tokens_per_cta`` tokens (up to 128) while a warp holds the accumulators of only 4*token_groups fp32.
 
+With ``cfg.mma == "wgmma"`` (sm_90a) a stage's k-tiles are all decoded first, then multiplied by warpgroup MMAs
+that run while the warps decode the next stage (``warpgroup_decode_mma``); X sits in 128-byte swizzled atoms (the
+MMA's K-major B layout) and one more stage is held back for the MMAs still reading it.
+
 With ``cfg.input`` (M = 1) X is not staged: the caller's ``prologue(sX)`` writes the CTA's whole K range of the
 one token into shared memory (the dense GEMM rotates x there) while the first weight stages load.
 
@@ -92,6 +96,10 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
         valid = tok < tokens
         g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_begin * cfg.x_k_tile_words + part * 4
         s_word = row * cfg.x_row_words + part * 4
+        if cutlass.const_expr(cfg.mma == "wgmma"):
+            # 128-byte swizzle atoms of 64 k each, one after the other: piece p of a token row at p ^ (row % 8).
+            atom, piece = part // 8, part % 8
+            s_word = (atom * cfg.tokens_per_cta + row) * 32 + ptx.wgmma_swizzled_piece(row, piece) * 4
         # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
         copies.append((sX_addr + s_word * 4, 4 * cfg.x_stage_words, gX_addr + g_word * 4,
                        Int64(4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words),
@@ -136,7 +144,10 @@ def decode_mma_loop(
 
     copies = stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles,
                           tid)
-    for st in cutlass.range_constexpr(cfg.stages - 1):
+    wgmma = cfg.mma == "wgmma"
+    # Stages loaded ahead: all but the one being decoded, and with wgmma also the one its MMAs still read.
+    ahead_stages = cfg.stages - 2 if wgmma else cfg.stages - 1
+    for st in cutlass.range_constexpr(ahead_stages):
         if st < n_chunks:
             issue_stage(copies, st, st)
         cute.arch.cp_async_commit_group()
@@ -148,9 +159,13 @@ def decode_mma_loop(
     w_lane = warp * plan.words_per_tile
 
     for chunk in cutlass.range(n_chunks, unroll=CHUNK_UNROLL):
-        cute.arch.cp_async_wait_group(cfg.stages - 2)
+        if cutlass.const_expr(wgmma):
+            ptx.wgmma_wait(1)  # the MMAs of chunk - 2 are done: its stage may be refilled after the barrier
+        cute.arch.cp_async_wait_group(ahead_stages - 1)
+        if cutlass.const_expr(wgmma):
+            ptx.fence_proxy_async_shared()  # this thread's cp.async data, visible to the tensor cores' reads
         cute.arch.sync_threads()
-        ahead = chunk + cfg.stages - 1
+        ahead = chunk + ahead_stages
         if ahead < n_chunks:
             issue_stage(copies, ahead, ahead % cfg.stages)
         cute.arch.cp_async_commit_group()
@@ -160,11 +175,37 @@ def decode_mma_loop(
         x_stage = stage * cfg.x_stage_words
         if cutlass.const_expr(cfg.input is not None):
             x_stage = chunk * (cfg.x_k_tile_words * cfg.k_tiles_per_stage)  # the resident row's words of this chunk
-        if cutlass.const_expr(cfg.warp_cols > 1):
+        if cutlass.const_expr(wgmma):
+            warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * x_stage, w_stage, word_idx, shift, consts)
+        elif cutlass.const_expr(cfg.warp_cols > 1):
             shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
                               consts, warp, lane)
         else:
             private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane)
+    if cutlass.const_expr(wgmma):
+        ptx.wgmma_wait(0)  # acc is final
+
+
+def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts):
+    """One stage with warpgroup MMAs: every k-tile of this warp's tile column decoded into A registers first (the
+    previous stage's MMAs still run meanwhile), then one fence and one asynchronous ``m64 x tokens x k16`` MMA per
+    k-tile, committed as one group. The caller waits for the group before the stage's buffer is refilled and
+    before reading ``acc``. Traced inline."""
+    frags = []
+    for kk in range(cfg.k_tiles_per_stage):
+        words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+        frags.append(mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts)))
+    ptx.wgmma_fence()
+    n = 4 * cfg.token_groups
+    high = Int64(ptx.wgmma_descriptor_high())
+    for kk in range(cfg.k_tiles_per_stage):
+        # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it.
+        addr = sX_stage_addr + (kk // 4) * (cfg.tokens_per_cta * 128) + (kk % 4) * 32
+        desc = high | Int64((addr & 0x3FFFF) >> 4)
+        d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in range(n)], "float16")
+        for i in range(n):
+            acc[i] = d[i]
+    ptx.wgmma_commit()
 
 
 def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane):
@@ -258,6 +299,10 @@ def allocate_smem(cfg):
     """The main loop's shared memory: (sW, sX, sDec) stage buffers (sDec only with shared decode, else sW again,
     never touched). Traced inline."""
     smem = SmemAllocator()
+    if cutlass.const_expr(cfg.mma == "wgmma"):  # the swizzled stages first, on a 1024-byte boundary
+        sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 1024)
+        sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
+        return smem, sW, sX, sW
     sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
     sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 16)
     sDec = sW

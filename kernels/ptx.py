@@ -371,3 +371,65 @@ def ld_shared_v2_b32(smem_addr, *, loc=None, ip=None):
     values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)]
     return _asm_4(Int32, values, "ld.shared.v2.b32 {$0,$1}, [$2];", "=r,=r,r", side_effects=True, count=2,
                   loc=loc, ip=ip)
+
+
+# --- warpgroup MMA (sm_90a only): the wide-M decode GEMM (``GemmConfig.mma == "wgmma"``) -------------------------
+# A warpgroup (4 warps) multiplies a 64-row A held in registers (each warp's 16 rows in the mma.m16n8k16 A-fragment
+# layout: the decoded weight tile as it comes out of ``trellis.mma_a_fragment``) by a K=16 x N B read straight from
+# shared memory (a descriptor), N = 8..256 tokens, accumulating fp32 asynchronously. B is K-major with the 128-byte
+# swizzle: token rows of 64 fp16 (128 bytes) each, 8-row groups of 1024 bytes, 16-byte piece p of row n at
+# p ^ (n % 8) (``wgmma_swizzled_piece``); its 1024-byte atoms must be 1024-byte aligned.
+
+WGMMA_SWIZZLE_128B = 1 << 62  # the descriptor's layout type
+WGMMA_GROUP_BYTES = 1024  # stride between 8-row groups (the descriptor's SBO)
+
+
+def wgmma_swizzled_piece(row, piece):
+    """Where 16-byte piece ``piece`` (0..7) of token row ``row`` of a 128-byte swizzled atom sits."""
+    return piece ^ (row % 8)
+
+
+def wgmma_descriptor_high() -> int:
+    """The descriptor's constant fields: 128-byte swizzle, SBO 1024 bytes, LBO 16 (unused by swizzled K-major)."""
+    return WGMMA_SWIZZLE_128B | ((WGMMA_GROUP_BYTES >> 4) << 32) | (1 << 16)
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None) -> None:
+    """Registers written since are visible to the next ``wgmma_m64k16`` (the A fragments just decoded)."""
+    _asm_void([], "wgmma.fence.sync.aligned;", "", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None) -> None:
+    _asm_void([], "wgmma.commit_group.sync.aligned;", "", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most ``pending`` committed groups of this warpgroup's wgmma are still running."""
+    _asm_void([], f"wgmma.wait_group.sync.aligned {pending};", "", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Shared-memory writes of this thread (cp.async, st.shared) become visible to the async proxy (wgmma)."""
+    _asm_void([], "fence.proxy.async.shared::cta;", "", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_m64k16(a, desc, acc, dtype: str, *, loc=None, ip=None):
+    """``acc += A @ B`` for the warpgroup: A fp16/bf16 in registers (4 words a lane), B from the shared-memory
+    descriptor ``desc`` (Int64), ``acc`` the lane's N/2 fp32 accumulators (N = 2*len(acc) tokens), returned
+    updated. Asynchronous: commit, then wait before reading the result. Accumulator j of a lane holds D row
+    ``16*warp + lane//4 + 8*(j%4 >= 2)``, column ``8*(j//4) + 2*(lane%4) + j%2``, as ``mma.m16n8k16`` groups."""
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    n = len(acc)
+    outs = ",".join(f"${i}" for i in range(n))
+    text = (f"{{.reg .pred p; setp.ne.b32 p, ${n + 5}, 0; wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.{kind}.{kind} "
+            f"{{{outs}}}, {{${n},${n + 1},${n + 2},${n + 3}}}, ${n + 4}, p, 1, 1, 0;}}")
+    constraints = ",".join(["=f"] * n + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(n)])
+    values = [Int32(v).ir_value(loc=loc, ip=ip) for v in a] + [Int64(desc).ir_value(loc=loc, ip=ip),
+                                                             Int32(1).ir_value(loc=loc, ip=ip)]
+    values += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
+    return _asm_4(Float32, values, text, constraints, side_effects=True, count=n, loc=loc, ip=ip)

@@ -125,6 +125,34 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         GemmConfig(bits=4.0, codebook="mcg", x_order="doubled")
     with pytest.raises(ValueError, match="shared memory"):  # the decoded stage counts too
         GemmConfig(bits=4.0, codebook="mcg", token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=8)
+    # warpgroup MMA: whole warpgroups, whole 128-byte swizzle atoms per stage, a stage in flight, row-order X
+    with pytest.raises(ValueError, match="mma must be"):
+        GemmConfig(bits=4.0, codebook="mcg", mma="tcgen05")
+    for bad in (dict(warps=4, warp_cols=2), dict(split_halves=True), dict(x_order="fragments"),
+                dict(k_tiles_per_stage=2), dict(stages=2), dict(token_groups=64)):
+        with pytest.raises(ValueError, match="wgmma"):
+            GemmConfig(**dict(dict(bits=4.0, codebook="mcg", token_groups=8, k_tiles_per_stage=4, stages=4,
+                                   mma="wgmma"), **bad))
+    with pytest.raises(ValueError, match="shared memory"):  # sm_90a's 227 KB per CTA
+        GemmConfig(bits=8.0, codebook="mcg", token_groups=32, warps=8, k_tiles_per_stage=8, stages=4, mma="wgmma")
+
+
+WGMMA = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"
+
+
+@pytest.mark.parametrize("bits,codebook,token_groups,warps", [(4.0, "mcg", 8, 8), (2.0, "3inst", 1, 4),
+                                                              (3.5, "mul1", 32, 8), (8.0, "mcg", 16, 4)])
+def test_warpgroup_mma_gemm_compiles_for_sm90a(bits, codebook, token_groups, warps):
+    """sm_90a's wide-M GEMM: one asynchronous m64 x tokens x k16 warpgroup MMA per decoded k-tile (A from
+    registers, B by descriptor), the stage's cp.async data fenced for the async proxy, one group left in flight."""
+    config = fitting_config(bits=bits, codebook=codebook, token_groups=token_groups, warps=warps, mma="wgmma",
+                            k_tiles_per_stage=4, stages=6)
+    ptx = ptx_of(config, "sm_90a")
+    assert ptx.count(WGMMA.format(8 * token_groups)) >= config.k_tiles_per_stage and MMA not in ptx
+    for needed in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned 1",
+                   "wgmma.wait_group.sync.aligned 0", "fence.proxy.async.shared::cta", "cp.async.cg.shared.global"):
+        assert needed in ptx, needed
+    assert_waits_before_global_access(ptx, "sm_90a")
 
 
 SHARED_DECODE = [dict(token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=4),

@@ -6,12 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from exl3tool.kernels.gemm import fitting_config
-from exl3tool.ops.linear import plan_gemm
+from exl3tool.ops.linear import FOLD_MIN_TOKENS, WGMMA_MAX_TOKENS, choose_path, plan_gemm
 from exl3tool.ops.targets import gemm_resident_ctas, limits, resident_ctas
 
 
 def linear(in_p, out_p, bits=4.0, codebook="mcg"):
-    return SimpleNamespace(info=SimpleNamespace(in_padded=in_p, out_padded=out_p, bits=bits, codebook=codebook))
+    return SimpleNamespace(info=SimpleNamespace(in_padded=in_p, out_padded=out_p, bits=bits, codebook=codebook),
+                           device=None)
 
 
 def test_resident_ctas_follow_each_targets_limits():
@@ -41,8 +42,8 @@ def test_plan_fills_a_whole_wave(arch, sms, shape, tokens, bits):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_eight_warps_where_they_keep_the_occupancy(arch):
-    def warps(tokens, shape, codebook="mcg"):
-        return plan_gemm(tokens, linear(*shape, codebook=codebook), 132, arch=arch).config.warps
+    def warps(tokens, shape, codebook="mcg"):  # the mma.sync GEMM (sm_90a takes warpgroup MMAs from 33 tokens)
+        return plan_gemm(tokens, linear(*shape, codebook=codebook), 132, arch=arch, mma="sync").config.warps
 
     # One 64-token block of mcg: 8 warps on any width; more blocks only on outputs up to EIGHT_WARP_MAX_OUT.
     assert warps(64, (4096, 14336)) == warps(40, (4096, 14336)) == warps(128, (14336, 4096)) == 8
@@ -65,3 +66,20 @@ def test_one_token_plan_keeps_the_resident_row_in_shared_memory(arch, bits):
     assert cfg.input == "float16" and cfg.resident_k_tiles == plan.k_tiles_per_split <= cfg.max_resident_k_tiles
     assert cfg.smem_bytes <= 99 * 1024 and plan.splits * plan.k_tiles_per_split >= in_p // 16
     assert plan.splits > 1  # the whole K (2048 k-tiles) would not fit
+
+
+def test_warpgroup_mma_where_the_target_has_it(monkeypatch):
+    """sm_90a multiplies 33..WGMMA_MAX_TOKENS rows with warpgroup MMAs (two warpgroups, all the CTA's tokens in
+    one MMA, up to 256) and keeps them on the decode GEMM instead of dequantize + cuBLAS; SM120 has none."""
+    lin = linear(4096, 14336)
+    for tokens, per_cta in ((33, 64), (64, 64), (100, 128), (200, 256), (WGMMA_MAX_TOKENS, 256)):
+        cfg = plan_gemm(tokens, lin, 132, arch="sm_90a").config
+        assert (cfg.mma, cfg.warps, cfg.tokens_per_cta, cfg.split_halves, cfg.x_order) == (
+            "wgmma", 8, per_cta, False, "rows"), tokens
+    assert plan_gemm(32, lin, 132, arch="sm_90a").config.mma == "sync"
+    assert all(plan_gemm(m, lin, 170, arch="sm_120a").config.mma == "sync" for m in (33, 64, 256))
+    monkeypatch.setenv("EXL3TOOL_ARCH", "sm_90a")
+    assert [choose_path(m, lin) for m in (32, 33, WGMMA_MAX_TOKENS, WGMMA_MAX_TOKENS + 1, FOLD_MIN_TOKENS)] == [
+        "gemm-unfused", "gemm-unfused", "gemm-unfused", "dequant", "fold"]
+    monkeypatch.setenv("EXL3TOOL_ARCH", "sm_120a")
+    assert choose_path(WGMMA_MAX_TOKENS, lin) == "dequant"

@@ -96,6 +96,20 @@ def test_gemm_registers_stay_within_the_planners_budget():
     assert sass.gemm_report(shared, "sm_120a").registers <= GEMM_REGISTERS[16]
 
 
+@pytest.mark.parametrize("tg,bits,codebook", [(8, 2.0, "3inst"), (16, 6.0, "mcg"), (32, 6.0, "3inst")])
+def test_warpgroup_mma_registers_stay_within_the_planners_budget(tg, bits, codebook):
+    """The sm_90a wide-M GEMM as planned (the K and codebook that need the most registers per token-group count):
+    within ``WGMMA_REGISTERS`` (so 64-token CTAs stay two per H200 SM), no spills, one HGMMA per decoded k-tile."""
+    from exl3tool.bench.sassreport import planned_gemm_config
+    from exl3tool.ops.targets import WGMMA_REGISTERS
+
+    cfg = planned_gemm_config(bits, codebook, 8 * tg, "sm_90a")
+    assert (cfg.mma, cfg.token_groups) == ("wgmma", tg)
+    k = sass.gemm_report(cfg, "sm_90a")
+    assert k.registers <= WGMMA_REGISTERS[tg] and k.frame_bytes == 0, (k.registers, k.frame_bytes)
+    assert k.main_loop.by_opcode["HGMMA"] == 2 * cfg.k_tiles_per_stage  # the loop runs two stages an iteration
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_eight_warp_decode_fits_sixteen_warps_per_sm(arch):
     """targets.EIGHT_WARP_CODEBOOKS: the 8-warp, 8-token-group config of those codebooks needs <= 128 registers

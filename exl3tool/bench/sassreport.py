@@ -26,7 +26,8 @@ def _row(label: str, k) -> SassRow:
 
 def _gemm_label(bits: float, codebook: str, cfg) -> str:
     halves = " split halves" if getattr(cfg, "split_halves", False) else ""
-    return f"gemm K{bits:g} {codebook} M{cfg.tokens_per_cta}/CTA{halves}"
+    wgmma = " wgmma" if getattr(cfg, "mma", "sync") == "wgmma" else ""
+    return f"gemm K{bits:g} {codebook} M{cfg.tokens_per_cta}/CTA{halves}{wgmma}"
 
 
 def _analyze(config, arch: str, build=None):

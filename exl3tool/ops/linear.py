@@ -30,7 +30,7 @@ from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves
 from exl3tool.ops import fold, launch
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import decode_warps, gemm_resident_ctas, split_halves, split_k
+from exl3tool.ops.targets import decode_warps, gemm_resident_ctas, has_wgmma, split_halves, split_k
 from exl3tool.ops.workspace import counters, scratch
 
 # Measured crossover on the H200 (docs/perf.md, 2026-12-01, L2-cold, gemm-unfused vs dequant, 4096x14336 /
@@ -52,6 +52,14 @@ EIGHT_WARP_MAX_OUT = 8192
 # From here on the rotations folded into the weight (one fold kernel + one cuBLAS GEMM, ops.fold) beat dequantize +
 # two rotation passes: H200 run of 2026-11-30, 4096x14336 K=4: M=4096 760 vs 854 us, M=256 196 vs 117 us.
 FOLD_MIN_TOKENS = 2048
+# Where the GPU has warpgroup MMAs (sm_90a), the decode GEMM multiplies with them (GemmConfig.mma = "wgmma") for
+# WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS rows, in CTAs of two warpgroups (128 output columns: the CTAs re-read X from
+# L2 once per 128 columns, which bounds the kernel from 256 tokens on), 4 k-tiles per stage (~100 registers at 64
+# tokens: two CTAs per SM) and 6 stages where shared memory holds them. H200, K=4 mcg, whole linear, graph, L2-cold,
+# us (mma.sync or dequant -> wgmma): 4096x14336 M=64 39.7 -> 37.1, M=128 70.9 -> 55.4, M=256 104 (dequant) ->
+# 87.5; 14336x4096 M=64 37.9 -> 34.3, M=128 66.3 -> 51.4, M=256 106 -> 80.8; M=512 even with dequant (156).
+WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS = 33, 256
+WGMMA_WARPS, WGMMA_K_TILES_PER_STAGE, WGMMA_STAGES = 8, 4, 6
 
 
 @dataclass
@@ -110,9 +118,14 @@ def plan_gemm(
     ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output, split_halves) for tuning
     runs; ``input`` (M = 1) makes the GEMM rotate x itself, its resident row sized by the split found here."""
     info, codebook = lin.info, Codebook(lin.info.codebook).value
+    arch = arch or target_arch(lin.device)
+    if config.get("mma", "wgmma" if uses_wgmma(tokens, arch) else "sync") == "wgmma":
+        if token_groups is None:
+            token_groups = next(g for g in (1, 2, 4, 8, 16, 32) if tokens <= 8 * g or g == 32)
+        config = dict(dict(mma="wgmma", warps=WGMMA_WARPS, split_halves=False, x_order="rows",
+                           k_tiles_per_stage=WGMMA_K_TILES_PER_STAGE, stages=WGMMA_STAGES), **config)
     if token_groups is None:
         token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
-    arch = arch or target_arch(lin.device)
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:
         config.setdefault("warps", decode_warps(codebook, token_groups))
@@ -132,11 +145,15 @@ def plan_gemm(
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)
 
 
+def uses_wgmma(tokens: int, arch: str) -> bool:
+    return has_wgmma(arch) and WGMMA_MIN_TOKENS <= tokens <= WGMMA_MAX_TOKENS
+
+
 def choose_path(tokens: int, lin: DeviceLinear) -> str:
     """What ``path="auto"`` runs, by the H200 crossovers above."""
     if tokens >= FOLD_MIN_TOKENS:
         return "fold"
-    if tokens >= DEQUANT_MIN_TOKENS:
+    if tokens >= DEQUANT_MIN_TOKENS and not uses_wgmma(tokens, target_arch(lin.device)):
         return "dequant"
     if tokens == 1 or (tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT):
         return "gemm"

@@ -35,6 +35,11 @@ LIMITS = {
 # ``decode_warps``) compile to at most this (sm_120a, checked by tests/test_sass.py; 4 groups: 100 for sm_90a mul1
 # K=6), so occupancy is known without a compile.
 GEMM_REGISTERS = {1: 64, 2: 64, 4: 104, 8: 168, 16: 176}  # 16: shared decode (8 warps of 4 tile columns)
+# The warpgroup-MMA GEMM (sm_90a, ``GemmConfig.mma == "wgmma"``, the planner's 8 warps and 4 k-tiles per stage):
+# its accumulators (tokens/2 fp32 a lane) and two stages of decoded A fragments stay in registers. The most any
+# K and codebook takes (sm_90a: 8 groups 123, 16 groups 150, 32 groups 241, no spills), pinned by tests/test_sass.py.
+WGMMA_REGISTERS = {1: 128, 2: 128, 4: 128, 8: 128, 16: 152, 32: 248}
+WGMMA_ARCHS = ("sm_90",)
 REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
 
@@ -100,7 +105,12 @@ def resident_ctas(arch: str, threads: int, smem_bytes: int, registers: int) -> i
 
 def gemm_resident_ctas(arch: str, cfg) -> int:
     """Decode GEMM CTAs of a ``GemmConfig`` one SM holds at once (M <= 8 config: H200 8, SM120 7)."""
-    return resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, GEMM_REGISTERS[cfg.token_groups])
+    table = WGMMA_REGISTERS if cfg.mma == "wgmma" else GEMM_REGISTERS
+    return resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, table[cfg.token_groups])
+
+
+def has_wgmma(arch: str) -> bool:
+    return arch.rstrip("af") in WGMMA_ARCHS
 
 
 def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int,

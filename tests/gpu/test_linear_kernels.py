@@ -61,7 +61,7 @@ def test_one_hot_activations_reproduce_decoded_weights(seed, bits, codebook, tok
     """x_rot = I makes the GEMM output the decoded W_hat itself: every weight, bit for bit, in place."""
     tensors, lin = device_linear(seed, 256, 384, bits, codebook)
     xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")
-    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), token_groups, warps=warps)
+    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), token_groups, warps=warps, mma="sync")
     assert plan.config.warps == warps
     out = poisoned((plan.splits, xr.shape[0], lin.info.out_padded), torch.float32)
     partials = ops.trellis_gemm(xr, lin, plan, out=out)
@@ -79,10 +79,29 @@ def test_shared_decode_reproduces_decoded_weights(seed, bits, codebook, layout):
     """The same one-hot check through shared decode: tiles decoded by one warp, multiplied by others."""
     tensors, lin = device_linear(seed, 256, 384, bits, codebook)
     xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")
-    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), **layout)
+    plan = ops.plan_gemm(xr.shape[0], lin, ops.sm_count("cuda"), mma="sync", **layout)
     out = poisoned((plan.splits, xr.shape[0], lin.info.out_padded), torch.float32)
     got = ops.trellis_gemm(xr, lin, plan, out=out).sum(0).cpu()
     assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()), f"seed={seed} plan={plan}"
+
+
+@pytest.mark.parametrize("token_groups,warps,k_tiles_per_stage", [(1, 4, 8), (4, 8, 4), (8, 4, 8), (16, 8, 4),
+                                                                   (32, 4, 4), (32, 8, 4)])
+@pytest.mark.parametrize("bits,codebook", [(1.0, "mcg"), (2.0, "3inst"), (3.5, "mul1"), (4.0, "mcg"), (8.0, "mul1")])
+@pytest.mark.parametrize("rows", [256, 200])
+def test_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, token_groups, warps, k_tiles_per_stage, rows):
+    """The one-hot check through the warpgroup-MMA GEMM (sm_90a): decoded A fragments in registers times X read
+    from the swizzled shared stages; 200 rows leave the last token block partly empty (zero-filled)."""
+    if not ops.has_wgmma(ops.target_arch("cuda")):
+        pytest.skip("warpgroup MMA needs sm_90a")
+    tensors, lin = device_linear(seed, 256, 384, bits, codebook)
+    xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")[:rows]
+    plan = ops.plan_gemm(rows, lin, ops.sm_count("cuda"), token_groups, mma="wgmma", warps=warps,
+                         k_tiles_per_stage=k_tiles_per_stage)
+    assert (plan.config.mma, plan.config.token_groups, plan.config.warps) == ("wgmma", token_groups, warps)
+    out = poisoned((plan.splits, rows, lin.info.out_padded), torch.float32)
+    got = ops.trellis_gemm(xr, lin, plan, out=out).sum(0).cpu()
+    assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()[:rows]), f"seed={seed} {plan}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
