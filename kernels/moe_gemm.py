@@ -40,7 +40,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .gemm import SMEM_LIMIT_BYTES, GemmConfig
+from .gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES, GemmConfig
 from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 from .moe_rotate import TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
@@ -74,6 +74,7 @@ class MoEGemmConfig:
     # GEMM) writes (moe_rotate.store_x_quad); x2_order: the fused intermediate's X2 (the down GEMM's x_order)
     x_order: str = "rows"
     x2_order: str = "rows"
+    mma: str = "sync"  # GemmConfig.mma: "wgmma" (sm_90a) for the large route blocks
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -86,16 +87,19 @@ class MoEGemmConfig:
         if self.topk_sum is not None and (self.planes != 1 or self.token_groups != 1 or self.warp_cols != 1
                                           or self.topk_sum.blocks_per_cta != 1):
             raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
+        if self.mma == "wgmma" and (self.input is not None or self.topk_sum is not None):
+            raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
         self.mainloop  # validates the rest, including the shared-memory limit
-        if self.smem_bytes > SMEM_LIMIT_BYTES:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT_BYTES})")
+        limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
+        if self.smem_bytes > limit:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {limit})")
 
     @cached_property
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
                           input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves,
-                          x_order=self.resident_order if self.input is not None else self.x_order)
+                          x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma)
 
     @property
     def resident_order(self) -> str:

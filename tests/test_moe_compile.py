@@ -223,3 +223,21 @@ def test_rotation_kernels_issue_their_loads_before_they_wait():
     ops = _memory_order(TopKSumConfig(8, "float16", 2, blocks_per_cta=4))
     first_shuffle = ops.index("SHFL.BFLY")
     assert ops[:first_shuffle].count("LDG.E.128.STRONG.GPU") >= 2 * 2
+
+
+WGMMA = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"
+
+
+@pytest.mark.parametrize("planes", [2, 1])
+@pytest.mark.parametrize("bits,codebook,block_rows", [(4.0, "mcg", 128), (2.0, "3inst", 32), (3.5, "mul1", 64)])
+def test_grouped_gemm_with_warpgroup_mma_compiles_for_sm90a(bits, codebook, block_rows, planes):
+    """sm_90a's large route blocks: the dense GEMM's warpgroup-MMA main loop (one m64 x rows x k16 MMA per k-tile,
+    X in row order), within sm_90a's shared memory per CTA."""
+    cfg = gemm_config(bits, codebook, planes, block_rows, wgmma=True)
+    assert (cfg.mma, cfg.x_order, cfg.warps) == ("wgmma", "rows", 8)
+    ptx = ptx_of(cfg, "sm_90a")
+    assert ptx.count(WGMMA.format(block_rows)) >= cfg.k_tiles_per_stage and MMA not in ptx
+    assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
+    assert_waits_before_global_access(ptx, "sm_90a")
+    with pytest.raises(ValueError, match="one-row blocks"):
+        dataclasses.replace(cfg, planes=2, input="float16", resident_k_tiles=32)

@@ -94,3 +94,18 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
     assert group_splits("sm_120a", low, 8) == (False, False) and group_splits("sm_90a", low, 8) == (True, True)
     assert [x_order(rows, split) for rows, split in ((8, True), (8, False), (32, False), (128, False))] == [
         "doubled", "rows", "fragments", "rows"]
+
+
+def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
+    """From MOE_WGMMA_MIN_ROWS rows a block, sm_90a's GEMMs are the warpgroup-MMA ones (X and X2 then in row order,
+    which the MMA's swizzled copies expect); SM120 and the arch-free plan keep mma.sync."""
+    from exl3tool.ops.moe import MOE_WGMMA_MIN_ROWS, gemm_config, uses_wgmma, x_order
+
+    assert MOE_WGMMA_MIN_ROWS == 64
+    assert [uses_wgmma("sm_90a", rows) for rows in (8, 32, 64, 128)] == [False, False, True, True]
+    assert not uses_wgmma("sm_120a", 128) and not uses_wgmma(None, 128)
+    assert x_order(64, False, True) == "rows" and x_order(64, False, False) == "fragments"
+    cfg = gemm_config(4.0, "mcg", 2, 128, True)
+    assert (cfg.mma, cfg.warps, cfg.warp_cols, cfg.k_tiles_per_stage) == ("wgmma", 8, 1, 4)
+    with pytest.raises(ValueError, match="one-row blocks"):  # the M = 1 prologue stays mma.sync's
+        gemm_config(4.0, "mcg", 2, 64, True, input="float16", resident_k_tiles=32)

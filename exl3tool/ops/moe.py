@@ -39,7 +39,7 @@ from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import decode_warps, split_halves
+from exl3tool.ops.targets import decode_warps, has_wgmma, split_halves
 from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
@@ -58,6 +58,13 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
 # -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777).
 FRAGMENT_ORDER_ROWS = (32, 64)
+# Where the GPU has warpgroup MMAs (sm_90a), route blocks from this many rows multiply with them (the dense GEMM's
+# wgmma layout: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is made by
+# the copies). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical: M=4096 (128-row blocks) 1706.7 ->
+# 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost,
+# 254.5 -> 271.0 (its half-empty blocks still pay for every decoded weight).
+MOE_WGMMA_MIN_ROWS = 64
+WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
 # overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
@@ -236,11 +243,16 @@ def fused_topk(tokens: int, given: bool) -> bool:
     return tokens <= FUSED_TOPK_TOKENS and not given
 
 
-def x_order(block_rows: int, split: bool = False) -> str:
+def uses_wgmma(arch: str | None, block_rows: int) -> bool:
+    """Do route blocks of ``block_rows`` multiply with warpgroup MMAs on ``arch`` (None: the arch-free plan)?"""
+    return arch is not None and has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
+
+
+def x_order(block_rows: int, split: bool = False, wgmma: bool = False) -> str:
     """Column order of a GEMM's input (X or X2) for route blocks of ``block_rows``: doubled for split halves."""
     if split:
         return "doubled"
-    return "fragments" if block_rows in FRAGMENT_ORDER_ROWS else "rows"
+    return "fragments" if block_rows in FRAGMENT_ORDER_ROWS and not wgmma else "rows"
 
 
 def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
@@ -250,23 +262,27 @@ def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
             split_halves(arch, group.w2_codebook, tg, group.w2_bits))
 
 
-def gemm_layout(block_rows: int, codebook: str) -> dict:
+def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False) -> dict:
     """MoEGemmConfig fields of the route block's GEMM layout beyond its defaults."""
+    if wgmma:
+        return WGMMA_LAYOUT
     return GEMM_LAYOUT.get(block_rows, dict(warps=decode_warps(codebook, block_rows // 8)))
 
 
-def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, **fields) -> MoEGemmConfig:
-    fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False)))
-    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8, **gemm_layout(block_rows, codebook),
-                         **fields)
+def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma: bool = False,
+                **fields) -> MoEGemmConfig:
+    fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma))
+    return MoEGemmConfig(bits, codebook, planes, token_groups=block_rows // 8,
+                         **gemm_layout(block_rows, codebook, wgmma), **fields)
 
 
-def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int) -> StepShape:
+def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = None) -> StepShape:
     cfg = dmoe.route
     k = cfg.routes_per_token
     routes = tokens * k
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts)
-    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook)  # split-K's estimate: the first group's
+    # split-K's estimate: the first group's layout
+    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(arch, block_rows))
     warps = layout.get("warps", MoEGemmConfig.warps)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block
@@ -297,7 +313,7 @@ class MoEPlan:
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         cfg = dmoe.route
         k, e_r = cfg.routes_per_token, cfg.router_rows
-        shapes = [step_shape(dmoe, m, self.sm_count) for m in range(1, max_tokens + 1)]
+        shapes = [step_shape(dmoe, m, self.sm_count, self.arch) for m in range(1, max_tokens + 1)]
         h_p = dmoe.hidden_padded
         i_p = max(g.intermediate_padded for g in dmoe.groups)
         rows = max(s.rows for s in shapes)
@@ -319,8 +335,9 @@ class MoEPlan:
         for s in shapes:
             for g in dmoe.groups:
                 split13, split2 = group_splits(self.arch, g, s.block_rows)
-                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13)))
-                x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, x_order(s.block_rows, split2)))
+                wgmma = uses_wgmma(self.arch, s.block_rows)
+                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13, wgmma)))
+                x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, x_order(s.block_rows, split2, wgmma)))
         self.xr = new(x_halves, torch.float16)
         self.p13 = new(max(s.splits13 * s.rows for s in shapes) * 2 * i_p, torch.float32)
         self.x2 = new(x2_halves, torch.float16)
@@ -339,7 +356,7 @@ class MoEPlan:
 
     def launches(self, tokens: int, given: bool = False) -> int:
         """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
-        fused = step_shape(self.dmoe, tokens, self.sm_count).fused_intermediate
+        fused = step_shape(self.dmoe, tokens, self.sm_count, self.arch).fused_intermediate
         per_group = 4 - fused - resident_input(tokens, given)
         return 1 + (not fused_topk(tokens, given)) + per_group * len(self.dmoe.groups)
 
@@ -351,7 +368,8 @@ class MoEPlan:
 
     def _make_step(self, tokens: int, given: bool) -> _Step:
         d, arch = self.dmoe, self.arch
-        s = step_shape(d, tokens, self.sm_count)
+        s = step_shape(d, tokens, self.sm_count, arch)
+        wgmma = uses_wgmma(arch, s.block_rows)
         cfg = d.route
         k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
         route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype],
@@ -387,14 +405,14 @@ class MoEPlan:
         for g in d.groups:
             i_p = g.intermediate_padded
             split13, split2 = group_splits(arch, g, s.block_rows)
-            order13, order2 = x_order(s.block_rows, split13), x_order(s.block_rows, split2)
+            order13, order2 = x_order(s.block_rows, split13, wgmma), x_order(s.block_rows, split2, wgmma)
             hx, ix = x_row_halves(h_p, order13), x_row_halves(i_p, order2)
             xr = self.xr[: 2 * rows * hx].view(2, rows, hx)
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * ix].view(rows, ix)
-            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, split_halves=split13, x2_order=order2,
-                              intermediate_splits=s.splits13 if s.fused_intermediate else 0)
-            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, split_halves=split2)
+            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
+                              x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0)
+            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2)
             rot = None if resident else K.compiled(
                 RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13), arch)
             inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13, order2), arch)
