@@ -70,10 +70,10 @@ class GemmConfig:
     # (no input-rotation launch). ``resident_k_tiles`` sizes that buffer: the plan's k-tiles per split.
     input: str | None = None
     resident_k_tiles: int = 0
-    # "sync": warp-level mma.sync (every arch). "wgmma" (sm_90a only): the CTA is one warpgroup whose four decoded
-    # tiles (64 output columns, in registers) multiply all its tokens (up to 256) with one asynchronous warpgroup
-    # MMA per k-tile, B read from shared memory where cp.async put it (128-byte swizzled token rows, ``ptx``); the
-    # warps decode the next stage while the tensor cores work on this one.
+    # "sync": warp-level mma.sync (every arch). "wgmma" (sm_90a only): each warpgroup's four decoded tiles (64 output
+    # columns, in registers) multiply all the CTA's tokens (up to 256) with one asynchronous warpgroup MMA per
+    # k-tile, B read from shared memory where cp.async put it (128-byte swizzled token rows, ``ptx``); the warps
+    # decode the next stage while the tensor cores work on this one.
     mma: str = "sync"
 
     def __post_init__(self):
