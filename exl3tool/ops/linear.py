@@ -123,12 +123,10 @@ def plan_gemm(
     info, codebook = lin.info, Codebook(lin.info.codebook).value
     arch = arch or target_arch(lin.device)
     if config.get("mma", "wgmma" if uses_wgmma(tokens, arch) else "sync") == "wgmma":
-        if token_groups is None:
-            token_groups = next(g for g in (1, 2, 4, 8, 16, 32) if tokens <= 8 * g or g == 32)
+        token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8, 16, 32))
         config = dict(dict(mma="wgmma", warps=WGMMA_WARPS, split_halves=False, x_order="rows",
                            k_tiles_per_stage=WGMMA_K_TILES_PER_STAGE, stages=WGMMA_STAGES), **config)
-    if token_groups is None:
-        token_groups = next(g for g in (1, 2, 4, 8) if tokens <= 8 * g or g == 8)
+    token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8))
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:
         config.setdefault("warps", decode_warps(codebook, token_groups))
@@ -146,6 +144,11 @@ def plan_gemm(
     if rotated_input is not None:
         cfg = replace(cfg, input=rotated_input, resident_k_tiles=per_split)
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)
+
+
+def covering_groups(tokens: int, choices: tuple[int, ...]) -> int:
+    """The fewest token groups (8 tokens each) among ``choices`` that hold ``tokens``, else the most."""
+    return next((g for g in choices if tokens <= 8 * g), choices[-1])
 
 
 def uses_wgmma(tokens: int, arch: str) -> bool:
