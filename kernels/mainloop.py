@@ -193,7 +193,7 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
     before reading ``acc``. Traced inline."""
     frags = []
     for kk in range(cfg.k_tiles_per_stage):
-        words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+        words = lane_words(cfg, sW, w_stage, kk, word_idx)
         frags.append(mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts)))
     ptx.wgmma_fence()
     n = 4 * cfg.token_groups
@@ -208,6 +208,12 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
     ptx.wgmma_commit()
 
 
+def lane_words(cfg, sW, w_stage, kk, word_idx):
+    """This lane's trellis words of k-tile ``kk`` of its tile column in the stage (``w_stage``: the stage's first
+    word of this warp's tile; ``word_idx`` from ``trellis.lane_word_indices``). Traced inline."""
+    return [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+
+
 def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane):
     """One stage: each k-tile of this warp's tile column decoded into A registers and multiplied by all the
     CTA's token groups. Traced inline."""
@@ -216,7 +222,7 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
     q = lane % 4
     b_words = {}
     for kk in range(cfg.k_tiles_per_stage):
-        words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+        words = lane_words(cfg, sW, w_stage, kk, word_idx)
         if cutlass.const_expr(cfg.split_halves):
             halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
         else:
@@ -254,7 +260,7 @@ def shared_decode_mma(cfg, plan, acc, sW, sX, sDec_addr, w_stage, x_stage, word_
     The barrier at the top of the next stage keeps ``sDec`` from being overwritten while it is read. Traced
     inline."""
     for kk in range(cfg.k_tiles_per_stage):
-        words = [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
+        words = lane_words(cfg, sW, w_stage, kk, word_idx)
         a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
         ptx.st_shared_v4(sDec_addr + ((kk * cfg.warps + warp) * 32 + lane) * 16, a)
     cute.arch.sync_threads()

@@ -102,8 +102,8 @@ def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
     from exl3tool.ops.moe import MOE_WGMMA_MIN_ROWS, gemm_config, uses_wgmma, x_order
 
     assert MOE_WGMMA_MIN_ROWS == 64
-    assert [uses_wgmma("sm_90a", rows) for rows in (8, 32, 64, 128)] == [False, False, True, True]
-    assert not uses_wgmma("sm_120a", 128) and not uses_wgmma(None, 128)
+    assert [uses_wgmma(rows, "sm_90a") for rows in (8, 32, 64, 128)] == [False, False, True, True]
+    assert not uses_wgmma(128, "sm_120a") and not uses_wgmma(128, None)
     assert x_order(64, False, True) == "rows" and x_order(64, False, False) == "fragments"
     cfg = gemm_config(4.0, "mcg", 2, 128, True)
     assert (cfg.mma, cfg.warps, cfg.warp_cols, cfg.k_tiles_per_stage) == ("wgmma", 8, 1, 4)

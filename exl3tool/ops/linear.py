@@ -32,7 +32,14 @@ from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves
 from exl3tool.ops import fold, launch
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import decode_warps, gemm_resident_ctas, has_wgmma, split_halves, split_k
+from exl3tool.ops.targets import (
+    WGMMA_LAYOUT,
+    decode_warps,
+    gemm_resident_ctas,
+    has_wgmma,
+    split_halves,
+    split_k,
+)
 from exl3tool.ops.workspace import counters, scratch
 
 # Measured crossover on the H200 (docs/perf.md, 2026-12-01, L2-cold, gemm-unfused vs dequant, 4096x14336 /
@@ -55,14 +62,13 @@ EIGHT_WARP_MAX_OUT = 8192
 # two rotation passes: H200 run of 2026-11-30, 4096x14336 K=4: M=4096 760 vs 854 us, M=256 196 vs 117 us.
 FOLD_MIN_TOKENS = 2048
 # Where the GPU has warpgroup MMAs (sm_90a), the decode GEMM multiplies with them (GemmConfig.mma = "wgmma") for
-# WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS rows, in CTAs of two warpgroups (128 output columns; one warpgroup re-reads X
-# from L2 twice as often and lost 4-17%), 4 k-tiles per stage (at most 123 registers at 64 tokens: two CTAs per
-# SM) and 6 stages where shared memory holds them. H200, K=4 mcg, whole linear, graph, L2-cold, us (mma.sync or
+# WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS rows, laid out as targets.WGMMA_LAYOUT: CTAs of two warpgroups (128 output
+# columns; one warpgroup re-reads X from L2 twice as often and lost 4-17%), 4 k-tiles per stage (at most 123
+# registers at 64 tokens: two CTAs per SM) and 6 stages where shared memory holds them. H200, K=4 mcg, whole linear, graph, L2-cold, us (mma.sync or
 # dequant -> wgmma): 4096x14336 M=64 39.7 -> 37.1, M=128 70.9 -> 55.4, M=256 104 (dequant) -> 87.5; 14336x4096
 # M=64 37.9 -> 34.3, M=128 66.3 -> 51.4, M=256 106 -> 80.8; M=512 even with dequant (156); below 33 tokens even or
 # slower (M=16 28.9 vs 24.8). docs/perf.md, seventh session.
 WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS = 33, 256
-WGMMA_WARPS, WGMMA_K_TILES_PER_STAGE, WGMMA_STAGES = 8, 4, 6
 
 
 @dataclass
@@ -124,8 +130,7 @@ def plan_gemm(
     arch = arch or target_arch(lin.device)
     if config.get("mma", "wgmma" if uses_wgmma(tokens, arch) else "sync") == "wgmma":
         token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8, 16, 32))
-        config = dict(dict(mma="wgmma", warps=WGMMA_WARPS, split_halves=False, x_order="rows",
-                           k_tiles_per_stage=WGMMA_K_TILES_PER_STAGE, stages=WGMMA_STAGES), **config)
+        config = {**WGMMA_LAYOUT, "split_halves": False, "x_order": "rows", **config}
     token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8))
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:

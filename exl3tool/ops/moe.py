@@ -39,7 +39,7 @@ from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import decode_warps, has_wgmma, split_halves
+from exl3tool.ops.targets import WGMMA_LAYOUT, decode_warps, has_wgmma, split_halves
 from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
@@ -59,12 +59,11 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777).
 FRAGMENT_ORDER_ROWS = (32, 64)
 # Where the GPU has warpgroup MMAs (sm_90a), route blocks from this many rows multiply with them (the dense GEMM's
-# wgmma layout: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is made by
+# layout, targets.WGMMA_LAYOUT: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is made by
 # the copies). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical: M=4096 (128-row blocks) 1706.7 ->
 # 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost,
 # 254.5 -> 271.0 (its half-empty blocks still pay for every decoded weight).
 MOE_WGMMA_MIN_ROWS = 64
-WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
 # overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
@@ -243,7 +242,7 @@ def fused_topk(tokens: int, given: bool) -> bool:
     return tokens <= FUSED_TOPK_TOKENS and not given
 
 
-def uses_wgmma(arch: str | None, block_rows: int) -> bool:
+def uses_wgmma(block_rows: int, arch: str | None) -> bool:
     """Do route blocks of ``block_rows`` multiply with warpgroup MMAs on ``arch`` (None: the arch-free plan)?"""
     return arch is not None and has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
 
@@ -282,7 +281,7 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     routes = tokens * k
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts)
     # split-K's estimate: the first group's layout
-    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(arch, block_rows))
+    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch))
     warps = layout.get("warps", MoEGemmConfig.warps)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block
@@ -335,7 +334,7 @@ class MoEPlan:
         for s in shapes:
             for g in dmoe.groups:
                 split13, split2 = group_splits(self.arch, g, s.block_rows)
-                wgmma = uses_wgmma(self.arch, s.block_rows)
+                wgmma = uses_wgmma(s.block_rows, self.arch)
                 x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13, wgmma)))
                 x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, x_order(s.block_rows, split2, wgmma)))
         self.xr = new(x_halves, torch.float16)
@@ -369,7 +368,7 @@ class MoEPlan:
     def _make_step(self, tokens: int, given: bool) -> _Step:
         d, arch = self.dmoe, self.arch
         s = step_shape(d, tokens, self.sm_count, arch)
-        wgmma = uses_wgmma(arch, s.block_rows)
+        wgmma = uses_wgmma(s.block_rows, arch)
         cfg = d.route
         k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
         route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype],
