@@ -426,7 +426,8 @@ def wgmma_m64k16(a, desc, acc, dtype: str, *, loc=None, ip=None):
     kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     n = len(acc)
     outs = ",".join(f"${i}" for i in range(n))
-    text = (f"{{.reg .pred p; setp.ne.b32 p, ${n + 5}, 0; wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.{kind}.{kind} "
+    text = (f"{{.reg .pred p; setp.ne.b32 p, ${n + 5}, 0; "
+            f"wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.{kind}.{kind} "
             f"{{{outs}}}, {{${n},${n + 1},${n + 2},${n + 3}}}, ${n + 4}, p, 1, 1, 0;}}")
     constraints = ",".join(["=f"] * n + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(n)])
     values = [Int32(v).ir_value(loc=loc, ip=ip) for v in a] + [Int64(desc).ir_value(loc=loc, ip=ip),

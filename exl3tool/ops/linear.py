@@ -62,12 +62,12 @@ EIGHT_WARP_MAX_OUT = 8192
 # two rotation passes: H200 run of 2026-11-30, 4096x14336 K=4: M=4096 760 vs 854 us, M=256 196 vs 117 us.
 FOLD_MIN_TOKENS = 2048
 # Where the GPU has warpgroup MMAs (sm_90a), the decode GEMM multiplies with them (GemmConfig.mma = "wgmma") for
-# WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS rows, laid out as targets.WGMMA_LAYOUT: CTAs of two warpgroups (128 output
-# columns; one warpgroup re-reads X from L2 twice as often and lost 4-17%), 4 k-tiles per stage (at most 123
-# registers at 64 tokens: two CTAs per SM) and 6 stages where shared memory holds them. H200, K=4 mcg, whole linear, graph, L2-cold, us (mma.sync or
-# dequant -> wgmma): 4096x14336 M=64 39.7 -> 37.1, M=128 70.9 -> 55.4, M=256 104 (dequant) -> 87.5; 14336x4096
-# M=64 37.9 -> 34.3, M=128 66.3 -> 51.4, M=256 106 -> 80.8; M=512 even with dequant (156); below 33 tokens even or
-# slower (M=16 28.9 vs 24.8). docs/perf.md, seventh session.
+# WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS rows, laid out as targets.WGMMA_LAYOUT: CTAs of two warpgroups (128 output columns;
+# one warpgroup re-reads X from L2 twice as often and lost 4-17%), 4 k-tiles per stage (at most 123 registers at 64
+# tokens: two CTAs per SM) and 6 stages where shared memory holds them. H200, K=4 mcg, whole linear, graph, L2-cold, us
+# (mma.sync or dequant -> wgmma): 4096x14336 M=64 39.7 -> 37.1, M=128 70.9 -> 55.4, M=256 104 (dequant) -> 87.5;
+# 14336x4096 M=64 37.9 -> 34.3, M=128 66.3 -> 51.4, M=256 106 -> 80.8; M=512 even with dequant (156); below 33 tokens
+# even or slower (M=16 28.9 vs 24.8). docs/perf.md, seventh session.
 WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS = 33, 256
 
 

@@ -59,10 +59,10 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777).
 FRAGMENT_ORDER_ROWS = (32, 64)
 # Where the GPU has warpgroup MMAs (sm_90a), route blocks from this many rows multiply with them (the dense GEMM's
-# layout, targets.WGMMA_LAYOUT: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is made by
-# the copies). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical: M=4096 (128-row blocks) 1706.7 ->
-# 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost,
-# 254.5 -> 271.0 (its half-empty blocks still pay for every decoded weight).
+# layout, targets.WGMMA_LAYOUT: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is
+# made by the copies). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical: M=4096 (128-row blocks) 1706.7
+# -> 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost, 254.5
+# -> 271.0 (its half-empty blocks still pay for every decoded weight).
 MOE_WGMMA_MIN_ROWS = 64
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
