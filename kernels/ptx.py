@@ -207,6 +207,18 @@ def cp_async(smem_addr, gmem_addr, src_bytes, size: int = 16, *, loc=None, ip=No
 
 
 @dsl_user_op
+def cp_async_row(smem_addr, s_offset: int, gmem_base, row_bytes, index: int, row: int, rows_left,
+                 *, loc=None, ip=None) -> None:
+    """16-byte ``.cg`` copy from ``gmem_base + index * row_bytes`` to ``smem_addr + s_offset``; zero-filled, its
+    source never read, when ``rows_left <= row``."""
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_base).ir_value(loc=loc, ip=ip),
+              Int32(row_bytes).ir_value(loc=loc, ip=ip), Int32(rows_left).ir_value(loc=loc, ip=ip)]
+    text = (f"{{.reg .pred p; .reg .u64 a; setp.le.s32 p, $3, {row}; mad.wide.u32 a, $2, {index}, $1; "
+            f"cp.async.cg.shared.global [$0+{s_offset}], [a], 16, p;}}")
+    _asm_void(values, text, "r,l,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_shared_b32(smem_addr, value, *, loc=None, ip=None) -> None:
     values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
     _asm_void(values, "st.shared.b32 [$0], $1;", "r,r", loc=loc, ip=ip)

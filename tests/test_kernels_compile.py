@@ -2,6 +2,7 @@
 for SM120 and SM90 (and a spread for SM80/SM89), and its PTX drives the tensor cores with mma.sync. (The 99 KB
 shared-memory bound is the config constructor's to enforce: see test_configs_refuse_what_the_kernel_cannot_do.)"""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -153,6 +154,16 @@ def test_warpgroup_mma_gemm_compiles_for_sm90a(bits, codebook, token_groups, war
                    "wgmma.wait_group.sync.aligned 0", "fence.proxy.async.shared::cta", "cp.async.cg.shared.global"):
         assert needed in ptx, needed
     assert_waits_before_global_access(ptx, "sm_90a")
+    # X's copies (mainloop.RowCopies): a thread's rows 8k apart, each copy's address made in one multiply-add and
+    # its missing rows zero-filled by ignore-src, where the stage's 16-byte pieces split evenly over the threads.
+    threads, pieces = 32 * warps, config.tokens_per_cta * 8  # 8 pieces per token row of a 4-k-tile stage
+    row_copies = re.findall(r"mad\.wide\.u32 a, %r\d+, \d+, %rd\d+; "
+                            r"cp\.async\.cg\.shared\.global \[%r\d+\+\d+\], \[a\], 16, p;", ptx)
+    if pieces % threads == 0 and (threads // 8) % 8 == 0:
+        per_stage = pieces // threads
+        assert len(row_copies) % per_stage == 0 and len(row_copies) >= per_stage * (config.stages - 2)
+    else:
+        assert not row_copies
 
 
 SHARED_DECODE = [dict(token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=4),

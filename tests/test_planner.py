@@ -7,7 +7,7 @@ import pytest
 
 from exl3tool.kernels.gemm import fitting_config
 from exl3tool.ops.linear import FOLD_MIN_TOKENS, WGMMA_MAX_TOKENS, choose_path, plan_gemm
-from exl3tool.ops.targets import gemm_resident_ctas, limits, resident_ctas
+from exl3tool.ops.targets import WGMMA_WAVE_FILL, gemm_resident_ctas, limits, resident_ctas
 
 
 def linear(in_p, out_p, bits=4.0, codebook="mcg"):
@@ -29,7 +29,7 @@ def test_resident_ctas_follow_each_targets_limits():
 @pytest.mark.parametrize("shape", [(4096, 14336), (14336, 4096)])
 @pytest.mark.parametrize("tokens", [1, 8, 16, 64])
 @pytest.mark.parametrize("bits", [2.0, 4.0, 6.0])
-def test_plan_fills_a_whole_wave(arch, sms, shape, tokens, bits):
+def test_plan_fills_a_wave(arch, sms, shape, tokens, bits):
     in_p, out_p = shape
     plan = plan_gemm(tokens, linear(in_p, out_p, bits), sms, arch=arch)
     cfg, k_tiles = plan.config, in_p // 16
@@ -37,7 +37,8 @@ def test_plan_fills_a_whole_wave(arch, sms, shape, tokens, bits):
     assert plan.k_tiles_per_split % cfg.k_tiles_per_stage == 0
     assert (plan.splits - 1) * plan.k_tiles_per_split < k_tiles <= plan.splits * plan.k_tiles_per_split
     ctas = (out_p // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta) * plan.splits
-    assert ctas >= gemm_resident_ctas(arch, cfg) * sms, (plan, ctas)
+    fill = WGMMA_WAVE_FILL if cfg.mma == "wgmma" else 1.0  # sm_90a from 33 tokens: most of a wave (targets)
+    assert ctas >= fill * gemm_resident_ctas(arch, cfg) * sms, (plan, ctas)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
@@ -66,6 +67,19 @@ def test_one_token_plan_keeps_the_resident_row_in_shared_memory(arch, bits):
     assert cfg.input == "float16" and cfg.resident_k_tiles == plan.k_tiles_per_split <= cfg.max_resident_k_tiles
     assert cfg.smem_bytes <= 99 * 1024 and plan.splits * plan.k_tiles_per_split >= in_p // 16
     assert plan.splits > 1  # the whole K (2048 k-tiles) would not fit
+
+
+@pytest.mark.parametrize("in_p,out_p,tokens,splits", [(4096, 14336, 256, 1), (4096, 14336, 128, 1),
+                                                      (4096, 14336, 64, 2), (14336, 4096, 256, 4),
+                                                      (14336, 4096, 128, 4), (14336, 4096, 64, 8)])
+def test_warpgroup_mma_splits_fill_most_of_one_wave(in_p, out_p, tokens, splits):
+    """The wgmma GEMM's split-K takes the fewest splits whose grid fills WGMMA_WAVE_FILL of a wave (one or two
+    CTAs an SM): the H200's faster plans (targets), where a whole wave would need two or more splits."""
+    plan = plan_gemm(tokens, linear(in_p, out_p), 132, arch="sm_90a")
+    slots = gemm_resident_ctas("sm_90a", plan.config) * 132
+    ctas = out_p // 128 * math.ceil(tokens / plan.config.tokens_per_cta) * plan.splits
+    assert plan.config.mma == "wgmma" and plan.splits == splits
+    assert WGMMA_WAVE_FILL * slots <= ctas <= 2 * slots
 
 
 def test_warpgroup_mma_where_the_target_has_it(monkeypatch):

@@ -42,6 +42,11 @@ WGMMA_REGISTERS = {1: 128, 2: 128, 4: 128, 8: 128, 16: 152, 32: 248}
 # The planners' warpgroup-MMA GEMM layout, dense and MoE (GemmConfig / MoEGemmConfig fields): two warpgroups, 4
 # k-tiles per stage, 6 stages (up to 217 KB of sm_90a's 227 KB per CTA at 256 tokens). Measured in docs/perf.md.
 WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
+# The warpgroup-MMA GEMM's split-K counts a grid of 80% of a wave as filling it: one or two of its CTAs fill an
+# SM, and one wave of fewer, longer splits beats 1.3-2 waves of more (H200, K=4 mcg, whole linear, us: 4096x14336
+# M=256 one split (0.85 wave) 73.4 against two 80.2, M=128 49.0 / 52.7; 14336x4096 M=256 four splits (0.97)
+# 67.3 against eight 75.9, M=128 45.0 / 48.9, M=64 eight (0.97 of two per SM) 33.8 against twelve 35.4).
+WGMMA_WAVE_FILL = 0.8
 WGMMA_ARCHS = ("sm_90",)
 REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
@@ -117,11 +122,11 @@ def has_wgmma(arch: str) -> bool:
 
 
 def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int,
-            max_per_split: int | None = None) -> int:
+            max_per_split: int | None = None, fill: float = 1.0) -> int:
     """k-tiles per split (a multiple of ``stage``, at least two stages unless K is shorter, at most
-    ``max_per_split``): the grid fills at least ``slots`` (= resident CTAs x SMs, one whole wave) where K allows,
-    and among those sizes the one whose busiest SM streams the least (ceil(CTAs / SMs) x (tiles + fixed cost));
-    ties go to fewer splits."""
+    ``max_per_split``): the grid fills at least ``fill`` x ``slots`` (= resident CTAs x SMs, one whole wave) where
+    K allows, and among those sizes the one whose busiest SM streams the least (ceil(CTAs / SMs) x (tiles + fixed
+    cost)); ties go to fewer splits."""
     longest = stage * -(-k_tiles // stage)
     if max_per_split is not None:
         longest = min(longest, max_per_split // stage * stage)
@@ -130,5 +135,5 @@ def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count:
     def ctas(per_split):
         return ctas_per_split * math.ceil(k_tiles / per_split)
 
-    filling = [s for s in sizes if ctas(s) >= slots] or [sizes[0]]
+    filling = [s for s in sizes if ctas(s) >= fill * slots] or [sizes[0]]
     return min(filling, key=lambda s: (math.ceil(ctas(s) / sm_count) * (s + OVERHEAD_K_TILES), -s))
