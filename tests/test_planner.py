@@ -7,7 +7,7 @@ import pytest
 
 from exl3tool.kernels.gemm import fitting_config
 from exl3tool.ops.linear import FOLD_MIN_TOKENS, WGMMA_MAX_TOKENS, choose_path, plan_gemm
-from exl3tool.ops.targets import WGMMA_WAVE_FILL, gemm_resident_ctas, limits, resident_ctas
+from exl3tool.ops.targets import gemm_resident_ctas, limits, resident_ctas, wave_fill
 
 
 def linear(in_p, out_p, bits=4.0, codebook="mcg"):
@@ -37,8 +37,9 @@ def test_plan_fills_a_wave(arch, sms, shape, tokens, bits):
     assert plan.k_tiles_per_split % cfg.k_tiles_per_stage == 0
     assert (plan.splits - 1) * plan.k_tiles_per_split < k_tiles <= plan.splits * plan.k_tiles_per_split
     ctas = (out_p // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta) * plan.splits
-    fill = WGMMA_WAVE_FILL if cfg.mma == "wgmma" else 1.0  # sm_90a from 33 tokens: most of a wave (targets)
-    assert ctas >= fill * gemm_resident_ctas(arch, cfg) * sms, (plan, ctas)
+    # SM120 (170 and 188 SMs): at least one whole wave; the H200 80% of one (targets.WAVE_FILL, measured there).
+    assert wave_fill(arch) == (0.8 if arch == "sm_90a" else 1.0)
+    assert ctas >= wave_fill(arch) * gemm_resident_ctas(arch, cfg) * sms, (plan, ctas)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
@@ -73,13 +74,23 @@ def test_one_token_plan_keeps_the_resident_row_in_shared_memory(arch, bits):
                                                       (4096, 14336, 64, 2), (14336, 4096, 256, 4),
                                                       (14336, 4096, 128, 4), (14336, 4096, 64, 8)])
 def test_warpgroup_mma_splits_fill_most_of_one_wave(in_p, out_p, tokens, splits):
-    """The wgmma GEMM's split-K takes the fewest splits whose grid fills WGMMA_WAVE_FILL of a wave (one or two
-    CTAs an SM): the H200's faster plans (targets), where a whole wave would need two or more splits."""
+    """The wgmma GEMM's split-K takes the fewest splits whose grid fills 80% of a wave (one or two CTAs an SM):
+    the H200's faster plans (targets.WAVE_FILL), where a whole wave would need two or more splits."""
     plan = plan_gemm(tokens, linear(in_p, out_p), 132, arch="sm_90a")
     slots = gemm_resident_ctas("sm_90a", plan.config) * 132
     ctas = out_p // 128 * math.ceil(tokens / plan.config.tokens_per_cta) * plan.splits
     assert plan.config.mma == "wgmma" and plan.splits == splits
-    assert WGMMA_WAVE_FILL * slots <= ctas <= 2 * slots
+    assert wave_fill("sm_90a") * slots <= ctas <= 2 * slots
+
+
+@pytest.mark.parametrize("in_p,out_p,tokens,splits", [(4096, 14336, 1, 4), (4096, 14336, 16, 4),
+                                                      (14336, 4096, 1, 14), (14336, 4096, 16, 14),
+                                                      (14336, 4096, 32, 8)])
+def test_mma_sync_splits_on_the_h200(in_p, out_p, tokens, splits):
+    """The mma.sync GEMM on sm_90a: 85% of a wave in fewer, longer splits (measured faster, targets.WAVE_FILL);
+    the same linears on SM120 fill whole waves with more (test_plan_fills_a_wave)."""
+    plan = plan_gemm(tokens, linear(in_p, out_p), 132, arch="sm_90a")
+    assert plan.config.mma == "sync" and plan.splits == splits
 
 
 def test_warpgroup_mma_where_the_target_has_it(monkeypatch):

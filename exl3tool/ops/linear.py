@@ -34,12 +34,12 @@ from exl3tool.ops import fold, launch
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import (
     WGMMA_LAYOUT,
-    WGMMA_WAVE_FILL,
     decode_warps,
     gemm_resident_ctas,
     has_wgmma,
     split_halves,
     split_k,
+    wave_fill,
 )
 from exl3tool.ops.workspace import counters, scratch
 
@@ -121,9 +121,9 @@ def plan_gemm(
     arch: str | None = None,
     **config: int,
 ) -> GemmPlan:
-    """Tokens per CTA from M; K split so that the grid fills at least one whole wave of the CTAs ``arch``'s SMs
-    hold at once (``targets``: H200 8 CTAs of the M <= 8 config per SM, SM120 7; the wgmma GEMM 80% of one,
-    ``WGMMA_WAVE_FILL``), with the least work on the busiest SM.
+    """Tokens per CTA from M; K split so that the grid fills at least ``targets.wave_fill(arch)`` of one wave of
+    the CTAs ``arch``'s SMs hold at once (``targets``: H200 8 CTAs of the M <= 8 config per SM and 80% of a wave,
+    SM120 7 and a whole wave), with the least work on the busiest SM.
 
     ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output, split_halves) for tuning
     runs; ``input`` (M = 1) makes the GEMM rotate x itself, its resident row sized by the split found here."""
@@ -146,8 +146,7 @@ def plan_gemm(
     slots = gemm_resident_ctas(arch, cfg) * sm_count
     # With the input rotated in the prologue, a split's row of x must fit in shared memory beside the stages.
     fits = cfg.max_resident_k_tiles if rotated_input is not None else None
-    fill = WGMMA_WAVE_FILL if cfg.mma == "wgmma" else 1.0
-    per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count, fits, fill)
+    per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count, fits, wave_fill(arch))
     if rotated_input is not None:
         cfg = replace(cfg, input=rotated_input, resident_k_tiles=per_split)
     return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)

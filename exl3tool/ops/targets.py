@@ -42,11 +42,13 @@ WGMMA_REGISTERS = {1: 128, 2: 128, 4: 128, 8: 128, 16: 152, 32: 248}
 # The planners' warpgroup-MMA GEMM layout, dense and MoE (GemmConfig / MoEGemmConfig fields): two warpgroups, 4
 # k-tiles per stage, 6 stages (up to 217 KB of sm_90a's 227 KB per CTA at 256 tokens). Measured in docs/perf.md.
 WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
-# The warpgroup-MMA GEMM's split-K counts a grid of 80% of a wave as filling it: one or two of its CTAs fill an
-# SM, and one wave of fewer, longer splits beats 1.3-2 waves of more (H200, K=4 mcg, whole linear, us: 4096x14336
-# M=256 one split (0.85 wave) 73.4 against two 80.2, M=128 49.0 / 52.7; 14336x4096 M=256 four splits (0.97)
-# 67.3 against eight 75.9, M=128 45.0 / 48.9, M=64 eight (0.97 of two per SM) 33.8 against twelve 35.4).
-WGMMA_WAVE_FILL = 0.8
+# The share of one wave of resident CTAs that a split-K grid must fill, per arch (default: a whole wave). On the
+# H200 one wave of fewer, longer splits beats 1.1-2 waves of more, for both GEMMs (K=4 mcg, whole linear, us):
+# wgmma 4096x14336 M=256 one split (0.85 wave) 73.4 against two 80.2, M=128 49.0 / 52.7; 14336x4096 M=256 four
+# (0.97) 67.3 against eight 75.9, M=128 45.0 / 48.9, M=64 eight 33.8 against twelve 35.4; mma.sync 14336x4096
+# M=1 / 8 / 16 / 32 fourteen splits (0.85) 21.9 / 25.8 / 25.5 / 27.6 against nineteen 22.5 / 27.0 / 27.2 / 28.9,
+# 4096x14336 M=1 / 16 four (0.85) 20.6 / 24.3 against five 21.2 / 25.0. SM120 keeps a whole wave (not measured).
+WAVE_FILL = {"sm_90": 0.8}
 WGMMA_ARCHS = ("sm_90",)
 REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 OVERHEAD_K_TILES = 16  # a CTA's fixed cost (pipeline fill, epilogue) in k-tiles of streaming, for the wave model
@@ -115,6 +117,10 @@ def gemm_resident_ctas(arch: str, cfg) -> int:
     """Decode GEMM CTAs of a ``GemmConfig`` one SM holds at once (M <= 8 config: H200 8, SM120 7)."""
     table = WGMMA_REGISTERS if cfg.mma == "wgmma" else GEMM_REGISTERS
     return resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, table[cfg.token_groups])
+
+
+def wave_fill(arch: str) -> float:
+    return WAVE_FILL.get(arch.rstrip("af"), 1.0)
 
 
 def has_wgmma(arch: str) -> bool:
