@@ -2,8 +2,9 @@
 
 The decode GEMM streams weights; it runs at the memory or issue limit only when every SM holds as many CTAs as
 fit. So the planner asks how many CTAs of a config are resident per SM (threads, registers, shared memory, CTA
-slots) and splits K until the grid fills at least one whole wave of them, then picks among the split sizes
-that do the one with the least work on the busiest SM.
+slots) and splits K until the grid fills at least one whole wave of them (80% of one on the H200, where fewer,
+longer splits measured faster: ``WAVE_FILL``), then picks among the split sizes that do the one with the least
+work on the busiest SM.
 """
 
 from __future__ import annotations
