@@ -118,10 +118,10 @@ class RowCopies(NamedTuple):
     """A thread's X copies of a stage into the swizzled wgmma layout: one 16-byte piece of token rows ``row0 +
     i * row_step`` (i < count); eight threads in a row copy its 128 bytes (whole lines per instruction). The
     piece's swizzled place is the same in every such row (row_step is a multiple of the 8-row swizzle period), so
-    row i sits ``i * s_row_step`` bytes on in shared memory and ``i * g_row_step`` in global memory."""
+    row i sits ``i * row_step`` rows of 128 bytes on in shared memory and ``i * g_row_step`` bytes in global
+    memory."""
     s_addr: object  # Int32: stage 0, row0
     s_stride: int  # shared bytes per stage
-    s_row_step: int
     g_addr: object  # Int64: chunk 0, row0
     g_stride: int  # global bytes per chunk
     g_row_step: object  # Int32
@@ -142,7 +142,7 @@ def row_copies(cfg, threads, sX_addr, gX_addr, k_begin, tok0, tokens, x_row_word
     atom, piece = part // 8, part % 8
     s_word = (atom * cfg.tokens_per_cta + row0) * 32 + ptx.wgmma_swizzled_piece(row0, piece) * 4
     g_word = Int64(tok0 + row0) * x_row_words_g + k_begin * cfg.x_k_tile_words + part * 4
-    return RowCopies(sX_addr + s_word * 4, 4 * cfg.x_stage_words, row_step * 128, gX_addr + g_word * 4,
+    return RowCopies(sX_addr + s_word * 4, 4 * cfg.x_stage_words, gX_addr + g_word * 4,
                      4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words, row_step * 4 * x_row_words_g,
                      tokens - tok0 - row0, row_step, cfg.tokens_per_cta // row_step)
 
@@ -154,7 +154,8 @@ def issue_stage(copies, chunk, stage):
             s_addr = c.s_addr + stage * c.s_stride
             g_addr = c.g_addr + Int64(chunk) * c.g_stride
             for i in range(c.count):
-                ptx.cp_async_row(s_addr, i * c.s_row_step, g_addr, c.g_row_step, i, i * c.row_step, c.rows_left)
+                row = i * c.row_step  # 128 bytes a row in every swizzle atom
+                ptx.cp_async_row(s_addr, 128 * row, g_addr, c.g_row_step, i, row, c.rows_left)
         else:
             s_addr, s_stride, g_addr, g_stride, size = c
             ptx.cp_async(s_addr + stage * s_stride, g_addr + Int64(chunk) * g_stride, size)
