@@ -102,16 +102,19 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
         tok = tok0 + row
         valid = tok < tokens
         g_word = Int64(cutlass.select_(valid, tok, 0)) * x_row_words_g + k_begin * cfg.x_k_tile_words + part * 4
-        s_word = row * cfg.x_row_words + part * 4
-        if cutlass.const_expr(cfg.mma == "wgmma"):
-            # 128-byte swizzle atoms of 64 k each, one after the other: piece p of a token row at p ^ (row % 8).
-            atom, piece = part // 8, part % 8
-            s_word = (atom * cfg.tokens_per_cta + row) * 32 + ptx.wgmma_swizzled_piece(row, piece) * 4
+        s_word = swizzled_x_word(cfg, row, part) if cfg.mma == "wgmma" else row * cfg.x_row_words + part * 4
         # Tokens past the end are zero-filled (src-size 0) so their MMA lanes add nothing.
         copies.append((sX_addr + s_word * 4, 4 * cfg.x_stage_words, gX_addr + g_word * 4,
                        Int64(4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words),
                        cutlass.select_(valid, Int32(16), Int32(0))))
     return copies
+
+
+def swizzled_x_word(cfg, row, part):
+    """Shared word (from the stage's start) of 16-byte piece ``part`` of token row ``row`` in the wgmma layout:
+    128-byte swizzle atoms of 64 k each, one after the other, piece p of a row at p ^ (row % 8)."""
+    atom, piece = part // 8, part % 8
+    return (atom * cfg.tokens_per_cta + row) * 32 + ptx.wgmma_swizzled_piece(row, piece) * 4
 
 
 class RowCopies(NamedTuple):
@@ -139,8 +142,7 @@ def row_copies(cfg, threads, sX_addr, gX_addr, k_begin, tok0, tokens, x_row_word
     row_step = threads // row_chunks
     row0 = tid // row_chunks
     part = tid % row_chunks
-    atom, piece = part // 8, part % 8
-    s_word = (atom * cfg.tokens_per_cta + row0) * 32 + ptx.wgmma_swizzled_piece(row0, piece) * 4
+    s_word = swizzled_x_word(cfg, row0, part)
     g_word = Int64(tok0 + row0) * x_row_words_g + k_begin * cfg.x_k_tile_words + part * 4
     return RowCopies(sX_addr + s_word * 4, 4 * cfg.x_stage_words, gX_addr + g_word * 4,
                      4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words, row_step * 4 * x_row_words_g,
