@@ -176,16 +176,18 @@ class GemmConfig:
         return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16 + align
 
 
-def fitting_config(**fields) -> GemmConfig:
-    """The config asked for, with as many pipeline stages (down to 2) as fit in the shared-memory limit."""
-    stages = fields.pop("stages", GemmConfig.stages)
+def fitting_config(config_type=None, **fields):
+    """The config asked for (a ``GemmConfig`` unless ``config_type`` says otherwise, e.g. the MoE GEMM's), with as
+    many pipeline stages (down to 2) as fit in the shared-memory limit."""
+    config_type = config_type or GemmConfig
+    stages = fields.pop("stages", config_type.stages)
     for n in range(stages, 1, -1):
         try:
-            return GemmConfig(stages=n, **fields)
+            return config_type(stages=n, **fields)
         except ValueError as err:
             if "shared memory" not in str(err):
                 raise
-    return GemmConfig(stages=2, **fields)
+    return config_type(stages=2, **fields)
 
 
 class TrellisGemm(DecodeGemmKernel):

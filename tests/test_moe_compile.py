@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
+from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
@@ -229,12 +229,13 @@ WGMMA = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"
 
 
 @pytest.mark.parametrize("planes", [2, 1])
-@pytest.mark.parametrize("bits,codebook,block_rows", [(4.0, "mcg", 128), (2.0, "3inst", 32), (3.5, "mul1", 64)])
+@pytest.mark.parametrize("bits,codebook,block_rows",
+                         [(4.0, "mcg", 128), (2.0, "3inst", 32), (3.5, "mul1", 64), (6.0, "mcg", 256)])
 def test_grouped_gemm_with_warpgroup_mma_compiles_for_sm90a(bits, codebook, block_rows, planes):
     """sm_90a's large route blocks: the dense GEMM's warpgroup-MMA main loop (one m64 x rows x k16 MMA per k-tile,
     X in row order), within sm_90a's shared memory per CTA."""
     cfg = gemm_config(bits, codebook, planes, block_rows, wgmma=True)
-    assert (cfg.mma, cfg.x_order, cfg.warps) == ("wgmma", "rows", 8)
+    assert (cfg.mma, cfg.x_order, cfg.warps) == ("wgmma", "rows", 8) and cfg.smem_bytes <= WGMMA_SMEM_LIMIT_BYTES
     ptx = ptx_of(cfg, "sm_90a")
     assert ptx.count(WGMMA.format(block_rows)) >= cfg.k_tiles_per_stage and MMA not in ptx
     assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx

@@ -174,23 +174,28 @@ def test_bf16_activations(synthetic):
     run_layer(synthetic("k3.5-mul1-shared-gated"), 0, [1, 5, 64], dtype=torch.bfloat16)
 
 
-def test_skewed_routing_empty_experts_and_one_expert_for_all(synthetic):
+@pytest.mark.parametrize("m", [300, 1100])
+def test_skewed_routing_empty_experts_and_one_expert_for_all(synthetic, m):
+    """M=1100 (a mean of 275 routes an expert) packs 256-row route blocks where the GPU has warpgroup MMAs: all
+    routes to one expert fill 18 of them, the skewed case leaves experts empty and blocks partly filled."""
     reader = synthetic("k2-3inst-unnormalised")
     moe = reader.moe(0, device="cuda")
-    plan = plan_moe(DeviceMoE.from_layer(moe), 300)
+    plan = plan_moe(DeviceMoE.from_layer(moe), m)
+    if m == 1100:
+        assert plan.step(m, True).shape.block_rows == (256 if moe_ops.has_wgmma(plan.arch) else 128)
     k, e = moe.routing.top_k, moe.num_experts
-    x = (torch.randn(300, moe.hidden, device="cuda") * 0.1).half()
+    x = (torch.randn(m, moe.hidden, device="cuda") * 0.1).half()
     cases = {
-        "all to expert 5": torch.full((300, k), 5, dtype=torch.int32, device="cuda"),
+        "all to expert 5": torch.full((m, k), 5, dtype=torch.int32, device="cuda"),
         # 90% of the routes to experts 0..1, the rest spread; experts 12..15 get none
-        "skewed": torch.where(torch.rand(300, k, device="cuda") < 0.9, torch.randint(0, 2, (300, k), device="cuda"),
-                              torch.randint(2, e - 4, (300, k), device="cuda")).int(),
+        "skewed": torch.where(torch.rand(m, k, device="cuda") < 0.9, torch.randint(0, 2, (m, k), device="cuda"),
+                              torch.randint(2, e - 4, (m, k), device="cuda")).int(),
     }
     for what, ids in cases.items():
-        weights = torch.rand(300, k, device="cuda")
+        weights = torch.rand(m, k, device="cuda")
         poison(plan)
         y = moe_forward(x, plan, topk_ids=ids, topk_weights=weights).clone()
-        assert torch.equal(routes(plan, 300)[0], ids)
+        assert torch.equal(routes(plan, m)[0], ids)
         assert rel(y, reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL, what
 
 
@@ -294,6 +299,22 @@ def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
 
     assert_no_bit_changes(monkeypatch, dmoe, x, targets, "EIGHT_WARP_CODEBOOKS", (targets.EIGHT_WARP_CODEBOOKS, ()),
                           check)
+
+
+def test_256_row_route_blocks_change_no_bit(synthetic, monkeypatch):
+    """sm_90a's 256-row route blocks (moe.LARGEST_BLOCK_ROWS) multiply each output column by the same k-tiles in the
+    same order as 128-row ones, so y is bit-identical."""
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    m = 4096
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    if not moe_ops.has_wgmma(moe_ops.target_arch(x.device)):
+        pytest.skip("256-row route blocks need warpgroup MMAs (sm_90a)")
+
+    def check(plan, largest):
+        assert plan.step(m, False).shape.block_rows == largest["wgmma"]
+
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "LARGEST_BLOCK_ROWS",
+                          (moe_ops.LARGEST_BLOCK_ROWS, {"mma.sync": 128, "wgmma": 128}), check)
 
 
 def test_route_tiles_change_no_bit(synthetic, monkeypatch):
