@@ -14,6 +14,14 @@ from tests.gpu.test_linear_kernels import CASES, cosine, device_linear, poisoned
 pytestmark = pytest.mark.gpu
 
 
+def fold_tolerance(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """The GEMM paths' tolerance (tests/gpu/test_linear_kernels.py, fp32 outputs), plus rounding y to x's dtype
+    (cuBLAS writes it), plus W' rounded once to x's dtype: at most half an ulp per weight. bf16's half ulp (2^-8)
+    matters: without it, 1 of 200 random bf16 cases exceeded the bound (H200: rel L2 3.79e-3 against 3.66e-3; the
+    others at most 0.92 of it)."""
+    return 2e-3 + rel_l2(ref.to(dtype), ref) + {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_folded_weight_is_the_reconstruction_rounded_once(seed, dtype):
     rng = random.Random(seed)
@@ -38,8 +46,7 @@ def test_folded_forward_matches_reference(seed, tokens):
     got = folded_forward(x, w, lin, out=poisoned((tokens, lin.info.out_features), dtype))
     ref = linear_forward(x, tensors)
     assert got.shape == ref.shape and torch.isfinite(got).all(), what
-    # The GEMM paths' tolerance (tests/gpu/test_linear_kernels.py, fp32 outputs) beyond rounding y to its dtype.
-    assert rel_l2(got, ref) <= 2e-3 + rel_l2(ref.to(dtype), ref), what
+    assert rel_l2(got, ref) <= fold_tolerance(ref, dtype), what
     assert cosine(got, ref) >= 0.99999, what
 
 
@@ -59,4 +66,4 @@ def test_fold_path_of_linear_forward(seed, dtype, out_dtype):
     for _ in range(2):  # the second call reuses the plan
         got = ops.linear_forward(x, lin, out_dtype, path="fold", out=poisoned((tokens, out_f), y_dtype))
         what = f"seed={seed} K={bits} {codebook} {in_f}x{out_f} M={tokens} {dtype}->{y_dtype}"
-        assert torch.isfinite(got).all() and rel_l2(got, ref) <= 2e-3 + rel_l2(ref.to(dtype), ref), what
+        assert torch.isfinite(got).all() and rel_l2(got, ref) <= fold_tolerance(ref, dtype), what
