@@ -52,6 +52,7 @@ BLOCK_ROWS = (8, 16, 32, 64, 128, 256)  # route block = GEMM tokens per CTA, by 
 # M=4096 (mean 256) 1398.9 / 1401.2 -> 1320.9 / 1322.8 us (GEMMs 1042 / 1051 -> 943 / 939); from a mean of 128
 # (M=2048) slower, 806.8 / 814.6 -> 847.5 / 856.0, so 256 rows only once the mean reaches them.
 LARGEST_BLOCK_ROWS = {"mma.sync": 128, "wgmma": 256}
+TWICE_THE_MEAN_MAX_ROWS = 64  # the largest block chosen by block_rows_for's twice-the-mean rule
 # GEMM layout per route block beyond MoEGemmConfig's defaults (private decode, 4 warps, 8 k-tiles per stage): a
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
 # H200, E=128 top-8 2048x768 K=4, M=4096, whole layer: 64-row private blocks 2140 us, 128-row shared 1805.
@@ -232,10 +233,10 @@ def block_rows_for(mean: float, largest: int = LARGEST_BLOCK_ROWS["mma.sync"]) -
     instead of spilling into a second (H200, E=128 top-8 2048x768 K=4, M=256: 16-row blocks 333.5 us, 32-row
     299.0), at most 64 rows; 128 (and ``largest``) only once the mean reaches it (M=1024, mean 64: 64-row blocks
     665.5 us, 128-row 727.8; M=4096, mean 256: 2140 against 1805-1885)."""
-    reached = [b for b in BLOCK_ROWS if 128 <= b <= min(mean, largest)]
+    reached = [b for b in BLOCK_ROWS if TWICE_THE_MEAN_MAX_ROWS < b <= min(mean, largest)]
     if reached:
         return reached[-1]
-    return next(b for b in BLOCK_ROWS if b == 64 or 2 * mean <= b)
+    return next(b for b in BLOCK_ROWS if b == TWICE_THE_MEAN_MAX_ROWS or 2 * mean <= b)
 
 
 def resident_input(tokens: int, given: bool) -> bool:
@@ -251,7 +252,7 @@ def fused_topk(tokens: int, given: bool) -> bool:
 
 def uses_wgmma(block_rows: int, arch: str | None) -> bool:
     """Do route blocks of ``block_rows`` multiply with warpgroup MMAs on ``arch`` (None: the arch-free plan)?"""
-    return arch is not None and has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
+    return has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
 
 
 def x_order(block_rows: int, split: bool = False, wgmma: bool = False) -> str:
@@ -286,7 +287,7 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     cfg = dmoe.route
     k = cfg.routes_per_token
     routes = tokens * k
-    largest = LARGEST_BLOCK_ROWS["wgmma" if arch is not None and has_wgmma(arch) else "mma.sync"]
+    largest = LARGEST_BLOCK_ROWS["wgmma" if has_wgmma(arch) else "mma.sync"]
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts, largest)
     # split-K's estimate: the first group's layout
     layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch))

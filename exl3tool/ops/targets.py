@@ -124,8 +124,9 @@ def wave_fill(arch: str) -> float:
     return WAVE_FILL.get(arch.rstrip("af"), 1.0)
 
 
-def has_wgmma(arch: str) -> bool:
-    return arch.rstrip("af") in WGMMA_ARCHS
+def has_wgmma(arch: str | None) -> bool:
+    """Does ``arch`` have warpgroup MMAs? (None: the arch-free plan, which does not use them.)"""
+    return arch is not None and arch.rstrip("af") in WGMMA_ARCHS
 
 
 def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int,
