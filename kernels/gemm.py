@@ -176,10 +176,9 @@ class GemmConfig:
         return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16 + align
 
 
-def fitting_config(config_type=None, **fields):
-    """The config asked for (a ``GemmConfig`` unless ``config_type`` says otherwise, e.g. the MoE GEMM's), with as
-    many pipeline stages (down to 2) as fit in the shared-memory limit."""
-    config_type = config_type or GemmConfig
+def fitting_config(config_type=GemmConfig, **fields):
+    """The config asked for (a ``GemmConfig``, or e.g. the MoE GEMM's ``config_type``), with as many pipeline
+    stages (down to 2) as fit in the shared-memory limit."""
     stages = fields.pop("stages", config_type.stages)
     for n in range(stages, 1, -1):
         try:

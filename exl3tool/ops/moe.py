@@ -47,11 +47,12 @@ CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
 SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA
 BLOCK_ROWS = (8, 16, 32, 64, 128, 256)  # route block = GEMM tokens per CTA, by the mean routes per expert
-# The largest route block of each MMA kind. 256-row blocks are the dense M=256 warpgroup-MMA layout, whose 222 KB of
-# shared memory only sm_90a has. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical, two rounds:
-# M=4096 (mean 256) 1398.9 / 1401.2 -> 1320.9 / 1322.8 us (GEMMs 1042 / 1051 -> 943 / 939); from a mean of 128
-# (M=2048) slower, 806.8 / 814.6 -> 847.5 / 856.0, so 256 rows only once the mean reaches them.
-LARGEST_BLOCK_ROWS = {"mma.sync": 128, "wgmma": 256}
+# The largest route block of each MMA kind (GemmConfig.mma). 256-row blocks are the dense M=256 warpgroup-MMA
+# layout, whose 222 KB of shared memory only sm_90a has. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y
+# bit-identical, two rounds: M=4096 (mean 256) 1398.9 / 1401.2 -> 1320.9 / 1322.8 us (GEMMs 1042 / 1051 -> 943 /
+# 939); from a mean of 128 (M=2048) slower, 806.8 / 814.6 -> 847.5 / 856.0, so 256 rows only once the mean reaches
+# them.
+LARGEST_BLOCK_ROWS = {"sync": 128, "wgmma": 256}
 TWICE_THE_MEAN_MAX_ROWS = 64  # the largest block chosen by block_rows_for's twice-the-mean rule
 # GEMM layout per route block beyond MoEGemmConfig's defaults (private decode, 4 warps, 8 k-tiles per stage): a
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
@@ -228,7 +229,7 @@ def _splits(ctas: int, k_tiles: int, stage: int, sm_count: int) -> int:
     return math.ceil(k_tiles / per_split)
 
 
-def block_rows_for(mean: float, largest: int = LARGEST_BLOCK_ROWS["mma.sync"]) -> int:
+def block_rows_for(mean: float, largest: int = LARGEST_BLOCK_ROWS["sync"]) -> int:
     """Route block for ``mean`` routes per expert: at least twice the mean, so that most experts fill one block
     instead of spilling into a second (H200, E=128 top-8 2048x768 K=4, M=256: 16-row blocks 333.5 us, 32-row
     299.0), at most 64 rows; 128 (and ``largest``) only once the mean reaches it (M=1024, mean 64: 64-row blocks
@@ -287,7 +288,7 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     cfg = dmoe.route
     k = cfg.routes_per_token
     routes = tokens * k
-    largest = LARGEST_BLOCK_ROWS["wgmma" if has_wgmma(arch) else "mma.sync"]
+    largest = LARGEST_BLOCK_ROWS["wgmma" if has_wgmma(arch) else "sync"]
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts, largest)
     # split-K's estimate: the first group's layout
     layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch))

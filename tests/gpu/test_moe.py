@@ -314,7 +314,7 @@ def test_256_row_route_blocks_change_no_bit(synthetic, monkeypatch):
         assert plan.step(m, False).shape.block_rows == largest["wgmma"]
 
     assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "LARGEST_BLOCK_ROWS",
-                          (moe_ops.LARGEST_BLOCK_ROWS, {"mma.sync": 128, "wgmma": 128}), check)
+                          (moe_ops.LARGEST_BLOCK_ROWS, {"sync": 128, "wgmma": 128}), check)
 
 
 def test_route_tiles_change_no_bit(synthetic, monkeypatch):
