@@ -50,13 +50,22 @@ def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: c
     return route, p
 
 
+def split_parts(mP, row, col0, lane, splits: int):
+    """Every split's four consecutive columns ``P[s, row, col0 + 4*lane ..]``, loaded (not yet summed)."""
+    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0 + 4 * lane) * 4
+    split_bytes = Int64(mP.shape[1]) * mP.shape[2] * 4
+    return [ptx.ld_global_cg_v4_f32(addr + s * split_bytes) for s in range(splits)]
+
+
+def sum_parts(parts):
+    """``split_parts`` summed in split order."""
+    return [sum_in_order([p[i] for p in parts]) for i in range(4)]
+
+
 def summed(mP, row, col0, lane, splits: int):
     """Four consecutive columns of ``sum_s P[s, row, col0 + 4*lane ..]``, splits in index order. The split count
     is a compile-time constant, so every load is issued before the first add waits."""
-    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0 + 4 * lane) * 4
-    split_bytes = Int64(mP.shape[1]) * mP.shape[2] * 4
-    parts = [ptx.ld_global_cg_v4_f32(addr + s * split_bytes) for s in range(splits)]
-    return [sum_in_order([p[i] for p in parts]) for i in range(4)]
+    return sum_parts(split_parts(mP, row, col0, lane, splits))
 
 
 def sum_in_order(values):
@@ -169,6 +178,9 @@ class RouteInputRotation:
 class IntermediateConfig:
     splits: int  # K splits of the gate/up GEMM
     x_order: str = "rows"  # X2's column order (the down GEMM's)
+    # 128-column blocks of a row per warp (dividing the intermediate's blocks): the row's index lookups are done
+    # once, and every block's partials and scales are loaded before the first butterfly.
+    blocks_per_warp: int = 1
 
 
 class Intermediate:
@@ -179,7 +191,8 @@ class Intermediate:
     def __call__(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                  mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32,
                  stream: cuda.CUstream):
-        grid = (mRot.shape[1] // 3 // 128, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        grid = (mRot.shape[1] // 3 // 128 // self.cfg.blocks_per_warp, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA,
+                1)
         self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, inter_true, block_rows).launch(
             grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
@@ -193,28 +206,32 @@ class Intermediate:
         row = rows * ROWS_PER_CTA + tid // 32
         route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row, block_rows)
         if route >= 0 and p >= 0:
-            intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, self.cfg.splits, self.cfg.x_order)
+            intermediate_row(mP, mRot, mX2, row, p, block * self.cfg.blocks_per_warp, lane, inter_true,
+                             self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp)
 
 
-def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str):
-    """One warp, packed row ``row`` of group row ``p``, 128-column block ``block`` of the intermediate (above):
-    ``X2[row, block] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``. The ``Intermediate``
-    kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
+def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str, blocks: int = 1):
+    """One warp, packed row ``row`` of group row ``p``, the ``blocks`` 128-column blocks of the intermediate from
+    ``block`` (above): ``X2[row, b] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``. Every
+    block's loads are issued first. The ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail
+    (``moe_gemm``). Traced inline."""
     inter_p = mRot.shape[1] // 3  # X2 rows hold x_row_halves(inter_p) fp16
-    col0 = block * 128 + 4 * lane
-    gate_svh = load4(mRot, p, col0)
-    up_svh = load4(mRot, p, inter_p + col0)
-    down_suh = load4(mRot, p, 2 * inter_p + col0)
-    gate = hadamard128(summed(mP, row, block * 128, lane, splits), lane)
-    up = hadamard128(summed(mP, row, inter_p + block * 128, lane, splits), lane)
-    h = [Float32(0.0)] * 4
-    for i in range(4):
-        g = gate[i] * gate_svh[i]
-        u = up[i] * up_svh[i]
-        hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
-        h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
-    v = hadamard128(h, lane)
-    store_x_quad(mX2.iterator.toint() + Int64(row) * (2 * x_row_halves(inter_p, x_order)), col0, v, x_order)
+    loaded = []
+    for j in range(blocks):
+        col0 = (block + j) * 128 + 4 * lane
+        scales = [load4(mRot, p, plane * inter_p + col0) for plane in range(3)]  # gate svh, up svh, down suh
+        parts = [split_parts(mP, row, plane * inter_p + (block + j) * 128, lane, splits) for plane in range(2)]
+        loaded.append((col0, scales, parts))
+    for col0, (gate_svh, up_svh, down_suh), parts in loaded:
+        gate, up = (hadamard128(sum_parts(part), lane) for part in parts)
+        h = [Float32(0.0)] * 4
+        for i in range(4):
+            g = gate[i] * gate_svh[i]
+            u = up[i] * up_svh[i]
+            hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
+            h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
+        v = hadamard128(h, lane)
+        store_x_quad(mX2.iterator.toint() + Int64(row) * (2 * x_row_halves(inter_p, x_order)), col0, v, x_order)
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,11 @@ def test_rotation_kernels_issue_their_loads_before_they_wait():
     ops = _memory_order(TopKSumConfig(8, "float16", 2, blocks_per_cta=4))
     first_shuffle = ops.index("SHFL.BFLY")
     assert ops[:first_shuffle].count("LDG.E.128.STRONG.GPU") >= 2 * 2
+    # the intermediate with several blocks a warp: all but one block's gate and up partials in flight first
+    for blocks, splits in ((6, 1), (3, 2)):
+        ops = _memory_order(IntermediateConfig(splits, "rows", blocks_per_warp=blocks))
+        first_shuffle = ops.index("SHFL.BFLY")
+        assert ops[:first_shuffle].count("LDG.E.128.STRONG.GPU") >= 2 * splits * (blocks - 1), (blocks, splits)
 
 
 WGMMA = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
-from exl3tool.ops.moe import _per_split, step_shape
+from exl3tool.ops.moe import _per_split, intermediate_blocks_per_warp, step_shape
 
 
 def pack(ids: np.ndarray, experts: int, block_rows: int):
@@ -84,6 +84,12 @@ def test_the_intermediate_is_fused_only_into_a_one_wave_gate_up_grid():
     d = moe()
     assert [m for m in (1, 2, 4, 16, 64, 256, 4096) if step_shape(d, m, 132).fused_intermediate] == [1]
     assert step_shape(d, 2, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate
+
+
+def test_the_intermediate_takes_two_blocks_a_warp_where_they_divide_the_row():
+    """Two 128-column blocks a warp (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) where the intermediate's block count
+    is even, one where it is odd: every warp takes the same number."""
+    assert [intermediate_blocks_per_warp(b) for b in (1, 2, 3, 6, 7, 32)] == [1, 2, 1, 2, 1, 2]
 
 
 def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():

@@ -46,6 +46,12 @@ from exl3tool.ops.workspace import counters
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
 SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA
+# The Intermediate launch takes up to this many 128-column blocks of a packed row per warp (moe_rotate: the row's
+# index lookups once, every block's loads issued before the first butterfly). H200, E=128 top-8 2048x768 K=4 mcg
+# (6 blocks), layer graph, two rounds, y bit-identical, Intermediate kernel us (1 -> 2 -> 3 -> 6 blocks): M=256 12.1
+# -> 10.4 -> 11.6 -> 13.1, M=1024 34.4 -> 27.8 -> 30.5 -> 34.3, M=4096 136.1 -> 109.3 -> 116.9 -> 123.9 (layer
+# 1344.7 / 1330.5 -> 1314.9 / 1311.4).
+INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
 BLOCK_ROWS = (8, 16, 32, 64, 128, 256)  # route block = GEMM tokens per CTA, by the mean routes per expert
 # The largest route block of each MMA kind (GemmConfig.mma). 256-row blocks are the dense M=256 warpgroup-MMA
 # layout, whose 222 KB of shared memory only sm_90a has. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y
@@ -240,6 +246,12 @@ def block_rows_for(mean: float, largest: int = LARGEST_BLOCK_ROWS["sync"]) -> in
     return next(b for b in BLOCK_ROWS if b == TWICE_THE_MEAN_MAX_ROWS or 2 * mean <= b)
 
 
+def intermediate_blocks_per_warp(blocks: int) -> int:
+    """128-column blocks of a packed row one warp of the ``Intermediate`` launch takes: the most that divide the
+    intermediate's ``blocks``, up to INTERMEDIATE_MAX_BLOCKS_PER_WARP."""
+    return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP + 1) if blocks % d == 0)
+
+
 def resident_input(tokens: int, given: bool) -> bool:
     """Does the gate/up GEMM rotate x itself? One token routed by the router: distinct experts, so every route
     block holds one route, in its first row (the caller's topk_ids may repeat an expert)."""
@@ -424,7 +436,8 @@ class MoEPlan:
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2)
             rot = None if resident else K.compiled(
                 RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13), arch)
-            inter = None if s.fused_intermediate else K.compiled(IntermediateConfig(s.splits13, order2), arch)
+            inter = None if s.fused_intermediate else K.compiled(
+                IntermediateConfig(s.splits13, order2, intermediate_blocks_per_warp(i_p // 128)), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail

@@ -13,6 +13,7 @@ from safetensors import safe_open
 import exl3tool
 from exl3tool import reference
 from exl3tool.format import MoEBlock
+from exl3tool.kernels.moe_rotate import IntermediateConfig
 from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
@@ -315,6 +316,25 @@ def test_256_row_route_blocks_change_no_bit(synthetic, monkeypatch):
 
     assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "LARGEST_BLOCK_ROWS",
                           (moe_ops.LARGEST_BLOCK_ROWS, {"sync": 128, "wgmma": 128}), check)
+
+
+def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
+    """The Intermediate launch computes each 128-column block of a row the same way however many blocks a warp
+    takes (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP), so y is bit-identical."""
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    m = 1024
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    blocks = dmoe.groups[0].intermediate_padded // 128
+
+    def check(plan, most):
+        shape = plan.step(m, False).shape
+        split2 = moe_ops.group_splits(plan.arch, dmoe.groups[0], shape.block_rows)[1]
+        order = moe_ops.x_order(shape.block_rows, split2, moe_ops.uses_wgmma(shape.block_rows, plan.arch))
+        wanted = moe_ops.K.compiled(IntermediateConfig(shape.splits13, order, most), plan.arch)
+        inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
+        assert blocks % most == 0 and inter == [wanted]
+
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", (1, 2, 3), check)
 
 
 def test_route_tiles_change_no_bit(synthetic, monkeypatch):
