@@ -248,10 +248,11 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
     ptx.wgmma_fence()
     n = 4 * cfg.token_groups
     high = Int64(ptx.wgmma_descriptor_high())
+    desc0 = high | Int64((sX_stage_addr & 0x3FFFF) >> 4)
     for kk in range(cfg.k_tiles_per_stage):
-        # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it.
-        addr = sX_stage_addr + (kk // 4) * (cfg.tokens_per_cta * 128) + (kk % 4) * 32
-        desc = high | Int64((addr & 0x3FFFF) >> 4)
+        # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it. The 14-bit
+        # start address field cannot carry: the stage lies inside the 228 KB of shared memory.
+        desc = desc0 + (((kk // 4) * (cfg.tokens_per_cta * 128) + (kk % 4) * 32) >> 4)
         d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in range(n)], "float16")
         for i in range(n):
             acc[i] = d[i]

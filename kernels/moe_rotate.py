@@ -27,8 +27,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import hadamard128
-from .trellis import x_doubled_word, x_pair_word, x_row_halves
+from .rotate import hadamard128, load4, store4, store_x_quad
+from .trellis import x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
@@ -73,40 +73,6 @@ def sum_in_order(values):
     for v in values[1:]:
         total = total + v
     return total
-
-
-def load4(tensor, row, col, dtype: str = "float16"):
-    """Four consecutive fp16/bf16 ``tensor[row, col ..]`` (8-byte aligned) as Float32."""
-    addr = tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2
-    w = ptx.ld_global_v2_b32(addr)
-    return list(ptx.words_to_f32(w[0], w[1], dtype))
-
-
-def store_x_quad(row_addr, col0, values, x_order: str):
-    """A lane's four consecutive columns ``col0 ..`` (a multiple of 4) of a GEMM input row at ``row_addr``, fp16, in
-    the GEMM's column order: rows (one 8-byte store), fragments (``trellis.x_fragment_slot``: two 4-byte stores,
-    the column pairs (col0, col0+1) and (col0+2, col0+3)) or doubled (``trellis.x_doubled_word``: four 4-byte
-    stores of (v, v))."""
-    if x_order == "rows":
-        store4(row_addr + Int64(col0) * 2, values, "float16")
-        return
-    if x_order == "doubled":
-        for i in range(4):
-            ptx.st_global_u32(row_addr + Int64(x_doubled_word(col0 + i)) * 4,
-                              ptx.pack_f32x2(values[i], values[i], "float16"))
-        return
-    for h in range(2):
-        word = x_pair_word(col0 + 2 * h, x_order)
-        ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[2 * h], values[2 * h + 1], "float16"))
-
-
-def store4(addr, values, dtype: str):
-    """Four Float32 to consecutive fp16/bf16 (one 8-byte store) or fp32 (one 16-byte store) at ``addr``."""
-    if dtype == "float32":
-        ptx.st_global_v4(addr, values, Float32)
-    else:
-        ptx.st_global_v2_b32(addr, ptx.pack_f32x2(values[0], values[1], dtype),
-                             ptx.pack_f32x2(values[2], values[3], dtype))
 
 
 @dataclass(frozen=True)

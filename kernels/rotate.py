@@ -17,12 +17,13 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .trellis import X_ORDERS, x_doubled_word, x_fragment_slot, x_pair_word
+from .trellis import X_ORDERS, x_doubled_word, x_pair_word
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
 
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
+DTYPE_NAMES = {t: name for name, t in DTYPES.items()}
 
 
 def hadamard128(v, lane):
@@ -37,18 +38,92 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
-def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, suh_row=None):
-    """``x[row, col0 .. col0+3] * suh`` as 4 Float32, columns past x's width zero: a lane's share of one 128-block
-    of an input rotation before its butterflies. ``suh`` is a vector, or row ``suh_row`` of a matrix (an expert's).
-    Traced inline."""
+def load4(tensor, row, col, dtype: str = "float16"):
+    """Four consecutive fp16/bf16 ``tensor[row, col ..]`` of a contiguous matrix (8-byte aligned) as Float32."""
+    addr = tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2
+    w = ptx.ld_global_v2_b32(addr)
+    return list(ptx.words_to_f32(w[0], w[1], dtype))
+
+
+def load4_vector(tensor, col, dtype: str = "float16"):
+    """Four consecutive fp16/bf16 ``tensor[col ..]`` of a vector (8-byte aligned: its fake tensor says so, and TVM
+    FFI checks it) as Float32: one load."""
+    w = ptx.ld_global_v2_b32(tensor.iterator.toint() + Int64(col) * 2)
+    return list(ptx.words_to_f32(w[0], w[1], dtype))
+
+
+def store4(addr, values, dtype: str):
+    """Four Float32 to consecutive fp16/bf16 (one 8-byte store) or fp32 (one 16-byte store) at ``addr``."""
+    if dtype == "float32":
+        ptx.st_global_v4(addr, values, Float32)
+    else:
+        ptx.st_global_v2_b32(addr, ptx.pack_f32x2(values[0], values[1], dtype),
+                             ptx.pack_f32x2(values[2], values[3], dtype))
+
+
+def store_x_quad(row_addr, col0, values, x_order: str):
+    """A lane's four consecutive columns ``col0 ..`` (a multiple of 4) of a GEMM input row at ``row_addr``, fp16, in
+    the GEMM's column order: rows (one 8-byte store), fragments (``trellis.x_fragment_slot``: two 4-byte stores,
+    the column pairs (col0, col0+1) and (col0+2, col0+3)) or doubled (``trellis.x_doubled_word``: four 4-byte
+    stores of (v, v))."""
+    if x_order == "rows":
+        store4(row_addr + Int64(col0) * 2, values, "float16")
+        return
+    if x_order == "doubled":
+        for i in range(4):
+            ptx.st_global_u32(row_addr + Int64(x_doubled_word(col0 + i)) * 4,
+                              ptx.pack_f32x2(values[i], values[i], "float16"))
+        return
+    for h in range(2):
+        word = x_pair_word(col0 + 2 * h, x_order)
+        ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[2 * h], values[2 * h + 1], "float16"))
+
+
+@cute.jit
+def row_quad(mX: cute.Tensor, row: Int32, col0: Int32, dtype: cutlass.Constexpr):
+    """``x[row, col0 .. col0+3]`` as 4 Float32, columns past x's width zero. One 8-byte load where the four are
+    inside the row and 8-byte aligned (x rows may be strided views of any width), else four 2-byte ones: the same
+    values either way."""
+    v = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     width = mX.shape[1]
-    v = []
-    for i in range(4):
-        col = col0 + i
-        suh = mSuh[col] if suh_row is None else mSuh[suh_row, col]
-        x = Float32(mX[row, cutlass.min(col, width - 1)]) * Float32(suh)
-        v.append(cutlass.select_(col < width, x, Float32(0.0)))
-    return v
+    addr = mX.iterator.toint() + (Int64(row) * mX.stride[0] + col0) * 2
+    whole = col0 + 4 <= width
+    if whole and (addr & 7) == 0:
+        w = ptx.ld_global_v2_b32(addr)
+        f = ptx.words_to_f32(w[0], w[1], dtype)
+        for i in cutlass.range_constexpr(4):
+            v[i] = f[i]
+    else:
+        for i in cutlass.range_constexpr(4):
+            col = col0 + i
+            x = Float32(mX[row, cutlass.min(col, width - 1)])
+            v[i] = cutlass.select_(col < width, x, Float32(0.0))
+    return [v[0], v[1], v[2], v[3]]
+
+
+@cute.jit
+def store_row_quad(mY: cute.Tensor, row: Int32, col0: Int32, values, out_type: cutlass.Constexpr,
+                   dtype: cutlass.Constexpr):
+    """``y[row, col0 .. col0+3] = values`` (4 Float32 cast to y's type), columns past y's width skipped: one
+    vector store where the four are inside the row and aligned, else one store per column."""
+    elem = 4 if dtype == "float32" else 2
+    addr = mY.iterator.toint() + (Int64(row) * mY.stride[0] + col0) * elem
+    whole = col0 + 4 <= mY.shape[1]
+    if whole and (addr & (4 * elem - 1)) == 0:
+        store4(addr, values, dtype)
+    else:
+        for i in cutlass.range_constexpr(4):
+            if col0 + i < mY.shape[1]:
+                mY[row, col0 + i] = out_type(values[i])
+
+
+def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, suh_row=None):
+    """``x[row, col0 .. col0+3] * suh`` as 4 Float32, columns past x's width +0: a lane's share of one 128-block
+    of an input rotation before its butterflies. ``suh`` is a vector, or row ``suh_row`` of a matrix (an expert's),
+    8-byte aligned. Traced inline."""
+    x = row_quad(mX, row, col0, DTYPE_NAMES[mX.element_type])
+    suh = load4_vector(mSuh, col0) if suh_row is None else load4(mSuh, suh_row, col0)
+    return [cutlass.select_(col0 + i < mX.shape[1], x[i] * suh[i], Float32(0.0)) for i in range(4)]
 
 
 def rotated_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, lane: Int32):
@@ -102,6 +177,8 @@ def reduce_rotate_store(
     splits are summed in index order, so the result does not depend on timing (graph replays are identical).
     Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
     col0 = block * 128 + 4 * lane
+    svh = load4_vector(mSvh, col0)
+    bias = load4_vector(mBias, col0) if cutlass.const_expr(has_bias) else None
     acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     acc.fill(0.0)
     elem = 4 if partial_f32 else 2
@@ -115,12 +192,10 @@ def reduce_rotate_store(
         for i in cutlass.range_constexpr(4):
             acc[i] = acc[i] + part[i]
     v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
-    for i in cutlass.range_constexpr(4):
-        y = v[i] * Float32(mSvh[col0 + i])
-        if cutlass.const_expr(has_bias):
-            y = y + Float32(mBias[col0 + i])
-        if col0 + i < mY.shape[1]:
-            mY[row, col0 + i] = out_type(y)
+    y = [v[i] * svh[i] for i in range(4)]
+    if cutlass.const_expr(has_bias):
+        y = [y[i] + bias[i] for i in range(4)]
+    store_row_quad(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
 
 
 @dataclass(frozen=True)
@@ -158,13 +233,7 @@ class InputRotation:
         col0 = block * 128 + 4 * lane
         if row < mX.shape[0]:
             v = rotated_quad(mX, mSuh, row, col0, lane)
-            for i in cutlass.range_constexpr(4):
-                if cutlass.const_expr(self.cfg.x_order == "doubled"):
-                    for h in cutlass.range_constexpr(2):
-                        mXr[row, 2 * x_doubled_word(col0 + i) + h] = cutlass.Float16(v[i])
-                else:
-                    col = col0 + i if cutlass.const_expr(self.cfg.x_order == "rows") else x_fragment_slot(col0 + i)
-                    mXr[row, col] = cutlass.Float16(v[i])
+            store_x_quad(mXr.iterator.toint() + Int64(row) * mXr.shape[1] * 2, col0, v, self.cfg.x_order)
 
 
 @dataclass(frozen=True)

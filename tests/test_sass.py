@@ -130,3 +130,22 @@ def test_missing_nvdisasm_names_the_extra(monkeypatch):
     monkeypatch.setattr(nvidia, "__path__", [])
     with pytest.raises(sass.SassToolError, match=r"exl3tool\[sass\]"):
         sass.nvdisasm_path()
+
+
+def test_dense_rotations_move_four_halves_per_access():
+    """The input and output rotations load x, suh and svh and store X and y four fp16 at a time (8 bytes; the
+    2-byte path is only for rows that are misaligned or end inside a lane's four columns), and the output rotation
+    loads svh before its first store (a store may alias a later load, so loads after it would wait)."""
+    from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
+    from exl3tool.ops import launch
+
+    def memory_ops(cfg):
+        (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: launch.BUILDERS[type(cfg)](cfg, o), "sm_120a"))
+        return [i.opcode for i in k.instructions if i.root in ("LDG", "STG")]
+
+    ops = memory_ops(InputRotationConfig("float16"))
+    assert ops.count("LDG.E.64") == 2 and ops.count("STG.E.64") == 1, ops  # x, suh; X
+    ops = memory_ops(OutputRotationConfig("float16"))
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert "LDG.E.64" in ops[:first_store] and not any(op.startswith("LDG") for op in ops[first_store:]), ops
+    assert ops.count("STG.E.64") == 1, ops

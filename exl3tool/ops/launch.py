@@ -45,7 +45,8 @@ def _rows(dtype, rows, cols, align: int = 2):
     return make_fake_tensor(dtype, (rows, cols), (cute.sym_int64(), 1), assumed_align=align)
 
 
-def _vector(dtype, align: int = 2):
+def _vector(dtype, align: int = 8):
+    """suh/svh/bias: the rotations load four fp16 at once (8 bytes); TVM FFI checks the alignment."""
     return fake_tensor(dtype, None, align=align)
 
 
@@ -57,13 +58,13 @@ def build_gemm(cfg: GemmConfig, options: str):
     x = fake_tensor(cutlass.Int32, m, cute.sym_int())
     suh = None
     if cfg.input is not None:  # x itself, rotated by the GEMM's prologue
-        x, suh = _rows(DTYPES[cfg.input], m, cute.sym_int()), fake_tensor(cutlass.Float16, cute.sym_int(), align=2)
+        x, suh = _rows(DTYPES[cfg.input], m, cute.sym_int()), _vector(cutlass.Float16)
     w = fake_tensor(cutlass.Int32, cute.sym_int(), cute.sym_int(), TrellisPlan(cfg.bits).words_per_tile)
     p = fake_tensor(cutlass.Float32, cute.sym_int(), m, out_p)
     epilogue = [None] * 4
     if cfg.output is not None:
-        svh = fake_tensor(cutlass.Float16, out_p, align=2)
-        bias = fake_tensor(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
+        svh = fake_tensor(cutlass.Float16, out_p, align=8)
+        bias = fake_tensor(cutlass.Float16, out_p, align=8) if cfg.has_bias else None
         epilogue = [svh, bias, _rows(DTYPES[cfg.output], m, cute.sym_int()), _vector(cutlass.Int32, 4)]
     return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, suh, fake_stream(), options=options)
 
@@ -78,15 +79,15 @@ def build_input_rotation(cfg: InputRotationConfig, options: str):
     m, in_p = cute.sym_int(), cute.sym_int()
     x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
     xr_cols = cute.sym_int() if cfg.x_order == "doubled" else in_p  # doubled: 2*in_p
-    return cute.compile(InputRotation(cfg), x, fake_tensor(cutlass.Float16, in_p, align=2),
+    return cute.compile(InputRotation(cfg), x, fake_tensor(cutlass.Float16, in_p, align=8),
                         fake_tensor(cutlass.Float16, m, xr_cols), fake_stream(), options=options)
 
 
 def build_output_rotation(cfg: OutputRotationConfig, options: str):
     m, out_p = cute.sym_int(), cute.sym_int()
     p = fake_tensor(DTYPES[cfg.partial_dtype], cute.sym_int(), m, out_p)
-    svh = fake_tensor(cutlass.Float16, out_p, align=2)
-    bias = fake_tensor(cutlass.Float16, out_p, align=2) if cfg.has_bias else None
+    svh = fake_tensor(cutlass.Float16, out_p, align=8)
+    bias = fake_tensor(cutlass.Float16, out_p, align=8) if cfg.has_bias else None
     y = _rows(DTYPES[cfg.out_dtype], m, cute.sym_int())
     return cute.compile(OutputRotation(cfg), p, svh, bias, y, fake_stream(), options=options)
 

@@ -46,7 +46,7 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     suh, routes, topk = [None] * 2, [None] * 2, [None] * 4
     if cfg.input is not None:  # x itself; gate and up suh
         x = fake_tensor(_CUTE[cfg.input], 1, None, align=2)
-        suh = [fake_tensor(F16, None, None, align=2), fake_tensor(F16, None, None, align=2)]
+        suh = [fake_tensor(F16, None, None), fake_tensor(F16, None, None)]
     if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row
         routes = [fake_tensor(I32, 1, None), fake_tensor(I32, None)]
     if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y

@@ -105,11 +105,14 @@ def test_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, token_gr
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_input_rotation_matches_reference(seed, dtype):
-    tensors, lin = device_linear(seed, 300, 256, 4.0, "mcg")
-    x = torch.randn(37, 300, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("width,pitch", [(300, 300), (300, 306), (302, 302)])
+def test_input_rotation_matches_reference(seed, dtype, width, pitch):
+    """Rows whose four columns a lane loads are whole and 8-byte aligned take one vector load, others (a pitch of
+    306 leaves odd rows misaligned; a width of 302 leaves the last lane two columns) one load per column."""
+    tensors, lin = device_linear(seed, width, 256, 4.0, "mcg")
+    x = torch.randn(37, pitch, dtype=dtype, device="cuda")[:, :width]
     got = ops.rotate_input(x, lin, out=poisoned((37, lin.info.in_padded), torch.float16)).float()
-    x_pad = torch.nn.functional.pad(x.float(), (0, lin.info.in_padded - 300))
+    x_pad = torch.nn.functional.pad(x.float(), (0, lin.info.in_padded - width))
     ref = rotate_input(x_pad, lin.suh)
     # fp32 math, one rounding to fp16 at the end.
     assert torch.allclose(got, ref.half().float(), rtol=2e-3, atol=1e-4), f"seed={seed}"
@@ -129,13 +132,18 @@ def test_input_rotation_writes_the_gemms_column_order(seed, x_order):
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_output_rotation_matches_reference(seed, out_dtype, bias):
-    tensors, lin = device_linear(seed, 256, 300, 4.0, "mul1", bias=bias)
+@pytest.mark.parametrize("width,pitch", [(300, 300), (300, 302), (302, 302)])
+def test_output_rotation_matches_reference(seed, out_dtype, bias, width, pitch):
+    """One vector store per lane where its four columns are whole and aligned, else one per column (a pitch of
+    302 misaligns odd rows; a width of 302 leaves the last lane two columns); nothing past the width."""
+    tensors, lin = device_linear(seed, 256, width, 4.0, "mul1", bias=bias)
     partials = torch.randn(3, 21, lin.info.out_padded, device="cuda")
-    got = ops.rotate_output(partials, lin, out_dtype, out=poisoned((21, 300), out_dtype)).float()
-    ref = rotate_output(partials.sum(0), lin.svh, lin.bias)[:, :300]
+    out = poisoned((21, pitch), out_dtype)
+    got = ops.rotate_output(partials, lin, out_dtype, out=out[:, :width]).float()
+    ref = rotate_output(partials.sum(0), lin.svh, lin.bias)[:, :width]
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
     assert torch.allclose(got, ref, rtol=tol, atol=tol), f"seed={seed}"
+    assert out[:, width:].isnan().all()
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 9, 16, 17, 33, 128, 1000])
