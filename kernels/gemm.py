@@ -15,7 +15,9 @@ rotates, scales by svh, adds the bias and writes y, then resets the counter to 0
 On sm_90a, from 33 tokens on, ``mma="wgmma"``: warps come in warpgroups of four whose decoded tiles (64 output
 columns, the same A-fragment registers) multiply all the CTA's tokens (up to 256) with one asynchronous
 ``wgmma.m64nNk16`` per k-tile, B read by descriptor from shared memory where cp.async put X (``mainloop``). The
-accumulators have the mma.m16n8k16 layout, so the partial-sum stores and the fused epilogue are the same.
+accumulators have the mma.m16n8k16 layout, so the partial-sum stores are the same. Its fused epilogue needs one K
+split: each CTA then holds whole 128-column tiles, stages them in shared memory over the drained X stages and
+rotates them there (``rotate_tile_from_shared``: no partials, no counters).
 
 Arguments are tensors (``exl3tool.ops.launch`` passes torch tensors through TVM FFI): X int32 ``[M, in_p/2]``
 (fp16 pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
@@ -30,7 +32,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .rotate import DTYPES, reduce_rotate_store, rotate_into_shared
+from .rotate import DTYPES, hadamard128, load4_vector, reduce_rotate_store, rotate_into_shared, store_row_quad
 from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
     CHUNK_UNROLL,
     DecodeGemmKernel,
@@ -43,6 +45,10 @@ from .trellis import X_ORDERS, TrellisPlan
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
 WGMMA_SMEM_LIMIT_BYTES = 227 * 1024  # the warpgroup-MMA GEMM runs on sm_90a only: its per-CTA limit
 MMAS = ("sync", "wgmma")
+# fp32 words per token row of the output tile the warpgroup-MMA GEMM's fused epilogue stages in shared memory: 128
+# columns + 4, so that the MMA layout's stores (lanes: 8 columns x 4 token pairs) hit 32 distinct banks.
+TILE_PITCH = 132
+ROTATE_BATCH_ROWS = 8  # rows of that tile a warp loads before it rotates them
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ class GemmConfig:
                                        or self.resident_k_tiles <= 0):
             raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
                              "positive multiple of 8")
+        if self.mma == "wgmma" and self.output is not None and self.x_smem_words < self.tokens_per_cta * TILE_PITCH:
+            raise ValueError("wgmma with a fused output rotation: the X stages must hold the CTA's output tile")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
@@ -266,31 +274,69 @@ class TrellisGemm(DecodeGemmKernel):
                                    -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.x_order, warp, cfg.warps, lane)
         decode_mma_loop(cfg, plan, acc, sW, sX, sDec, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1],
                         mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks, prologue)
-        # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
-        q = lane % 4
-        for j, col_tile, group in acc_groups(cfg, warp):
-            col = (col_tile0 + col_tile) * 16 + lane // 4
-            tok = tok0 + group * 8 + 2 * q
-            if tok < tokens:
-                mP[split, tok, col] = acc[4 * j]
-                mP[split, tok, col + 8] = acc[4 * j + 2]
-            if tok + 1 < tokens:
-                mP[split, tok + 1, col] = acc[4 * j + 1]
-                mP[split, tok + 1, col + 8] = acc[4 * j + 3]
+        if cutlass.const_expr(cfg.mma == "wgmma" and cfg.output is not None):
+            # one K split: the CTA holds its whole 128-column tile, so it rotates it from shared memory
+            rotate_tile_from_shared(cfg, acc, sX.iterator.toint(), mSvh, mBias, mY, col_tile0 // 8, tok0, tokens,
+                                    warp, lane)
+        else:
+            # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
+            q = lane % 4
+            for j, col_tile, group in acc_groups(cfg, warp):
+                col = (col_tile0 + col_tile) * 16 + lane // 4
+                tok = tok0 + group * 8 + 2 * q
+                if tok < tokens:
+                    mP[split, tok, col] = acc[4 * j]
+                    mP[split, tok, col + 8] = acc[4 * j + 2]
+                if tok + 1 < tokens:
+                    mP[split, tok + 1, col] = acc[4 * j + 1]
+                    mP[split, tok + 1, col + 8] = acc[4 * j + 3]
 
-        if cutlass.const_expr(cfg.output is not None):
-            # Release our partials, then count this CTA in for its 128-column block of its token block.
-            ctas_per_block = 128 // (16 * cfg.warps)
-            block = col_tile0 // 8  # the 128-column block: 8 tile columns
-            slot = bm * (mW.shape[1] // 8) + block
-            counter = mCounter.iterator.toint() + Int64(slot) * 4
-            ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
-            if sLast[0] != 0:
-                ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
-                for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
-                    row = tok0 + r * cfg.warps + warp
-                    if row < tokens:
-                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, True, cfg.has_bias,
-                                            DTYPES[cfg.output])
-                if tid == 0:
-                    ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+            if cutlass.const_expr(cfg.output is not None):
+                # Release our partials, then count this CTA in for its 128-column block of its token block.
+                ctas_per_block = 128 // (16 * cfg.warps)
+                block = col_tile0 // 8  # the 128-column block: 8 tile columns
+                slot = bm * (mW.shape[1] // 8) + block
+                counter = mCounter.iterator.toint() + Int64(slot) * 4
+                ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
+                if sLast[0] != 0:
+                    ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
+                    for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                        row = tok0 + r * cfg.warps + warp
+                        if row < tokens:
+                            reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, True, cfg.has_bias,
+                                                DTYPES[cfg.output])
+                    if tid == 0:
+                        ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+
+
+@cute.jit
+def rotate_tile_from_shared(cfg: cutlass.Constexpr, acc: cute.Tensor, tile_addr: Int32, mSvh: cute.Tensor,
+                            mBias: cute.Tensor, mY: cute.Tensor, block: Int32, tok0: Int32, tokens: Int32,
+                            warp: Int32, lane: Int32):
+    """The warpgroup-MMA GEMM's fused epilogue (one K split): the accumulators (MMA layout: D rows are output
+    columns (g, g+8), D columns are tokens (2q, 2q+1)) go to an fp32 tile ``[token][TILE_PITCH]`` over the drained
+    X stages, then warp w rotates token rows w, w + warps, ...: ``y = H128(row) * svh (+ bias)``. No partials
+    leave the SM and no other CTA is waited for."""
+    q = lane % 4
+    cute.arch.sync_threads()  # every warp's MMAs are done with the stages
+    for j, col_tile, group in acc_groups(cfg, warp):
+        col = col_tile * 16 + lane // 4
+        for i in cutlass.range_constexpr(4):
+            tok = group * 8 + 2 * q + i % 2
+            ptx.st_shared_f32(tile_addr + (tok * TILE_PITCH + col + 8 * (i // 2)) * 4, acc[4 * j + i])
+    cute.arch.sync_threads()
+    col0 = block * 128 + 4 * lane
+    svh = load4_vector(mSvh, col0)
+    bias = load4_vector(mBias, col0) if cutlass.const_expr(cfg.has_bias) else None
+    rows_per_warp = cfg.tokens_per_cta // cfg.warps
+    for b in cutlass.range_constexpr(0, rows_per_warp, ROTATE_BATCH_ROWS):
+        batch = range(b, min(b + ROTATE_BATCH_ROWS, rows_per_warp))
+        rows = [ptx.ld_shared_v4(tile_addr + ((r * cfg.warps + warp) * TILE_PITCH + 4 * lane) * 4, Float32)
+                for r in batch]
+        for r, v in zip(batch, rows):
+            row = tok0 + r * cfg.warps + warp
+            y = [x * s for x, s in zip(hadamard128(list(v), lane), svh)]
+            if cutlass.const_expr(cfg.has_bias):
+                y = [y[i] + bias[i] for i in range(4)]
+            if row < tokens:
+                store_row_quad(mY, row, col0, y, DTYPES[cfg.output], cfg.output)

@@ -225,6 +225,12 @@ def st_shared_b32(smem_addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_shared_f32(smem_addr, value, *, loc=None, ip=None) -> None:
+    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)]
+    _asm_void(values, "st.shared.f32 [$0], $1;", "r,f", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_shared_v4(smem_addr, words, *, loc=None, ip=None) -> None:
     """Store four 32-bit words to a 16-byte aligned shared address."""
     values = [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words]

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from exl3tool.kernels.gemm import fitting_config
+from exl3tool.ops import linear as linear_ops
 from exl3tool.ops.linear import FOLD_MIN_TOKENS, WGMMA_MAX_TOKENS, choose_path, plan_gemm
 from exl3tool.ops.targets import gemm_resident_ctas, limits, resident_ctas, wave_fill
 
@@ -104,7 +105,12 @@ def test_warpgroup_mma_where_the_target_has_it(monkeypatch):
     assert plan_gemm(32, lin, 132, arch="sm_90a").config.mma == "sync"
     assert all(plan_gemm(m, lin, 170, arch="sm_120a").config.mma == "sync" for m in (33, 64, 256))
     monkeypatch.setenv("EXL3TOOL_ARCH", "sm_90a")
-    assert [choose_path(m, lin) for m in (32, 33, WGMMA_MAX_TOKENS, WGMMA_MAX_TOKENS + 1, FOLD_MIN_TOKENS)] == [
-        "gemm-unfused", "gemm-unfused", "gemm-unfused", "dequant", "fold"]
+    monkeypatch.setattr(linear_ops, "sm_count", lambda device: 132)
+    # one K split (the whole K in each CTA: 4096x14336 from 65 tokens): the GEMM's epilogue rotates its tiles
+    assert [choose_path(m, lin) for m in (32, 33, 64, 65, WGMMA_MAX_TOKENS, WGMMA_MAX_TOKENS + 1, FOLD_MIN_TOKENS)] == [
+        "gemm-unfused", "gemm-unfused", "gemm-unfused", "gemm", "gemm", "dequant", "fold"]
+    assert choose_path(WGMMA_MAX_TOKENS, linear(14336, 4096)) == "gemm-unfused"  # four splits
+    fused = plan_gemm(WGMMA_MAX_TOKENS, linear(14336, 4096), 132, arch="sm_90a", output="float16")
+    assert (fused.config.mma, fused.splits, fused.k_tiles_per_split) == ("wgmma", 1, 14336 // 16)  # asked for
     monkeypatch.setenv("EXL3TOOL_ARCH", "sm_120a")
     assert choose_path(WGMMA_MAX_TOKENS, lin) == "dequant"

@@ -142,6 +142,8 @@ def plan_gemm(
     rotated_input = config.pop("input", None)
     cfg = fitting_config(bits=float(info.bits), codebook=codebook, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
+    if cfg.mma == "wgmma" and cfg.output is not None:
+        return GemmPlan(cfg, 1, k_tiles)  # its epilogue rotates the CTA's whole tile: one K split
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)
     slots = gemm_resident_ctas(arch, cfg) * sm_count
     # With the input rotated in the prologue, a split's row of x must fit in shared memory beside the stages.
@@ -169,6 +171,8 @@ def choose_path(tokens: int, lin: DeviceLinear) -> str:
         return "dequant"
     if tokens == 1 or (tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT):
         return "gemm"
+    if uses_wgmma(tokens, target_arch(lin.device)) and plan_gemm(tokens, lin, sm_count(lin.device)).splits == 1:
+        return "gemm"  # each CTA holds whole tiles: the warpgroup GEMM's epilogue rotates them in shared memory
     return "gemm-unfused"
 
 
