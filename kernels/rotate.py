@@ -19,10 +19,7 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .trellis import X_ORDERS, x_doubled_word, x_pair_word
 
-ROWS_PER_CTA = 4  # warps per CTA
-# Rows each warp of the rotation kernels takes, their loads issued together: one row a warp left the H200's
-# rotations latency bound at M=256 (4096x14336 output rotation 7.7 us for 22 MB, 14336x4096 input 7.3 for 15 MB).
-ROWS_PER_WARP = 4
+ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
 
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
@@ -126,12 +123,7 @@ def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, suh
     8-byte aligned. Traced inline."""
     x = row_quad(mX, row, col0, DTYPE_NAMES[mX.element_type])
     suh = load4_vector(mSuh, col0) if suh_row is None else load4(mSuh, suh_row, col0)
-    return scale_quad(x, suh, col0, mX.shape[1])
-
-
-def scale_quad(x, suh, col0, width):
-    """``x * suh`` of a lane's four columns from ``col0``, +0 past ``width`` (x's padding)."""
-    return [cutlass.select_(col0 + i < width, x[i] * suh[i], Float32(0.0)) for i in range(4)]
+    return [cutlass.select_(col0 + i < mX.shape[1], x[i] * suh[i], Float32(0.0)) for i in range(4)]
 
 
 def rotated_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, lane: Int32):
@@ -172,46 +164,38 @@ def reduce_rotate_store(
     mSvh: cute.Tensor,
     mBias: cute.Tensor,
     mY: cute.Tensor,
-    row0: Int32,
+    row: Int32,
     block: Int32,
     lane: Int32,
     partial_f32: cutlass.Constexpr,
     has_bias: cutlass.Constexpr,
     out_type: cutlass.Constexpr,
-    rows: cutlass.Constexpr = 1,
 ):
-    """One warp: ``y[row, block*128 : +128] = H128(sum_s P[s, row, ...]) * svh (+ bias)``, columns < out_true, for
-    the ``rows`` rows from ``row0`` that exist.
+    """One warp: ``y[row, block*128 : +128] = H128(sum_s P[s, row, ...]) * svh (+ bias)``, columns < out_true.
 
-    One vector load per split and row (4 consecutive columns per lane), every row's load of a split issued
-    together and the split loop unrolled, so several are in flight; the splits are summed in index order, so the
-    result does not depend on timing (graph replays are identical). Loads bypass L1: in the GEMM's fused epilogue
-    the partials were just written by other CTAs."""
+    One vector load per split (4 consecutive columns per lane), unrolled so several splits are in flight; the
+    splits are summed in index order, so the result does not depend on timing (graph replays are identical).
+    Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
     col0 = block * 128 + 4 * lane
     svh = load4_vector(mSvh, col0)
     bias = load4_vector(mBias, col0) if cutlass.const_expr(has_bias) else None
-    acc = cute.make_rmem_tensor(cute.make_layout(4 * rows), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     acc.fill(0.0)
     elem = 4 if partial_f32 else 2
-    last = mP.shape[1] - 1
-    addrs = [mP.iterator.toint() + (Int64(cutlass.min(row0 + r, last)) * mP.shape[2] + col0) * elem
-             for r in range(rows)]
+    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0) * elem
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * elem
-    for split in cutlass.range(mP.shape[0], unroll=4 if rows == 1 else 2):
-        for r in cutlass.range_constexpr(rows):
-            if cutlass.const_expr(partial_f32):
-                part = ptx.ld_global_cg_v4_f32(addrs[r] + split * split_bytes)
-            else:
-                part = ptx.ld_global_cg_v4_f16_as_f32(addrs[r] + split * split_bytes)
-            for i in cutlass.range_constexpr(4):
-                acc[4 * r + i] = acc[4 * r + i] + part[i]
-    for r in cutlass.range_constexpr(rows):
-        v = hadamard128([acc[4 * r + i] for i in range(4)], lane)
-        y = [v[i] * svh[i] for i in range(4)]
-        if cutlass.const_expr(has_bias):
-            y = [y[i] + bias[i] for i in range(4)]
-        if row0 + r <= last:
-            store_row_quad(mY, row0 + r, col0, y, out_type, DTYPE_NAMES[out_type])
+    for split in cutlass.range(mP.shape[0], unroll=4):
+        if cutlass.const_expr(partial_f32):
+            part = ptx.ld_global_cg_v4_f32(addr + split * split_bytes)
+        else:
+            part = ptx.ld_global_cg_v4_f16_as_f32(addr + split * split_bytes)
+        for i in cutlass.range_constexpr(4):
+            acc[i] = acc[i] + part[i]
+    v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
+    y = [v[i] * svh[i] for i in range(4)]
+    if cutlass.const_expr(has_bias):
+        y = [y[i] + bias[i] for i in range(4)]
+    store_row_quad(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
 
 
 @dataclass(frozen=True)
@@ -236,8 +220,7 @@ class InputRotation:
     def __call__(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor, stream: cuda.CUstream):
         """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16
         (``(M, 2*in_p)`` in doubled order)."""
-        rows_per_cta = ROWS_PER_CTA * ROWS_PER_WARP
-        grid = (mSuh.shape[0] // 128, (mXr.shape[0] + rows_per_cta - 1) // rows_per_cta, 1)
+        grid = (mSuh.shape[0] // 128, (mXr.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
@@ -246,16 +229,11 @@ class InputRotation:
         tid, _, _ = cute.arch.thread_idx()
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
-        row0 = (rows * ROWS_PER_CTA + tid // 32) * ROWS_PER_WARP
+        row = rows * ROWS_PER_CTA + tid // 32
         col0 = block * 128 + 4 * lane
-        last = mX.shape[0] - 1
-        # every row's x first (rows past the last re-read it), then suh once
-        xs = [row_quad(mX, cutlass.min(row0 + r, last), col0, self.cfg.in_dtype) for r in range(ROWS_PER_WARP)]
-        suh = load4_vector(mSuh, col0)
-        for r in cutlass.range_constexpr(ROWS_PER_WARP):
-            if row0 + r <= last:
-                v = hadamard128(scale_quad(xs[r], suh, col0, mX.shape[1]), lane)
-                store_x_quad(mXr.iterator.toint() + Int64(row0 + r) * mXr.shape[1] * 2, col0, v, self.cfg.x_order)
+        if row < mX.shape[0]:
+            v = rotated_quad(mX, mSuh, row, col0, lane)
+            store_x_quad(mXr.iterator.toint() + Int64(row) * mXr.shape[1] * 2, col0, v, self.cfg.x_order)
 
 
 @dataclass(frozen=True)
@@ -276,8 +254,7 @@ class OutputRotation:
     def __call__(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias, mY: cute.Tensor, stream: cuda.CUstream):
         """mP ``(splits, M, out_p)``, mSvh ``(out_p,)`` fp16, mBias ``(out_p,)`` fp16 or None, mY ``(M, out_true)``."""
         bias = mSvh if cutlass.const_expr(mBias is None) else mBias  # never read without a bias
-        rows_per_cta = ROWS_PER_CTA * ROWS_PER_WARP
-        grid = (mP.shape[2] // 128, (mP.shape[1] + rows_per_cta - 1) // rows_per_cta, 1)
+        grid = (mP.shape[2] // 128, (mP.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mP, mSvh, bias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream,
                                                **ptx.pdl_launch())
 
@@ -287,6 +264,7 @@ class OutputRotation:
         tid, _, _ = cute.arch.thread_idx()
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
-        row0 = (rows * ROWS_PER_CTA + tid // 32) * ROWS_PER_WARP
-        reduce_rotate_store(mP, mSvh, mBias, mY, row0, block, lane, self.cfg.partial_dtype == "float32",
-                            self.cfg.has_bias, self.out_type, ROWS_PER_WARP)
+        row = rows * ROWS_PER_CTA + tid // 32
+        if row < mP.shape[1]:
+            reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, self.cfg.partial_dtype == "float32",
+                                self.cfg.has_bias, self.out_type)
