@@ -15,9 +15,9 @@ rotates, scales by svh, adds the bias and writes y, then resets the counter to 0
 On sm_90a, from 33 tokens on, ``mma="wgmma"``: warps come in warpgroups of four whose decoded tiles (64 output
 columns, the same A-fragment registers) multiply all the CTA's tokens (up to 256) with one asynchronous
 ``wgmma.m64nNk16`` per k-tile, B read by descriptor from shared memory where cp.async put X (``mainloop``). The
-accumulators have the mma.m16n8k16 layout, so the partial-sum stores are the same. Its fused epilogue needs one K
-split: each CTA then holds whole 128-column tiles, stages them in shared memory over the drained X stages and
-rotates them there (``rotate_tile_from_shared``: no partials, no counters).
+accumulators have the mma.m16n8k16 layout, so the partial-sum stores and the fused epilogue are the same; with one
+K split (``whole_k``) each CTA holds whole 128-column tiles, stages them in shared memory over the drained X stages
+and rotates them there instead (``rotate_tile_from_shared``: no partials, no counters).
 
 Arguments are tensors (``exl3tool.ops.launch`` passes torch tensors through TVM FFI): X int32 ``[M, in_p/2]``
 (fp16 pairs of the rotated input), W int32 ``[in_p/16, out_p/16, 8K]`` (the trellis words), P fp32
@@ -81,6 +81,9 @@ class GemmConfig:
     # k-tile, B read from shared memory where cp.async put it (128-byte swizzled token rows, ``ptx``); the warps
     # decode the next stage while the tensor cores work on this one.
     mma: str = "sync"
+    # wgmma with ``output``, one K split (the plan's promise): each CTA holds whole 128-column tiles and rotates them
+    # from shared memory (``rotate_tile_from_shared``) instead of writing partials and counting in.
+    whole_k: bool = False
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -113,8 +116,10 @@ class GemmConfig:
                                        or self.resident_k_tiles <= 0):
             raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
                              "positive multiple of 8")
-        if self.mma == "wgmma" and self.output is not None and self.x_smem_words < self.tokens_per_cta * TILE_PITCH:
-            raise ValueError("wgmma with a fused output rotation: the X stages must hold the CTA's output tile")
+        if self.whole_k and (self.mma != "wgmma" or self.output is None):
+            raise ValueError("whole_k is the warpgroup-MMA GEMM's epilogue with a fused output rotation")
+        if self.whole_k and self.x_smem_words < self.tokens_per_cta * TILE_PITCH:
+            raise ValueError("whole_k: the X stages must hold the CTA's output tile")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
@@ -274,39 +279,48 @@ class TrellisGemm(DecodeGemmKernel):
                                    -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.x_order, warp, cfg.warps, lane)
         decode_mma_loop(cfg, plan, acc, sW, sX, sDec, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1],
                         mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks, prologue)
-        if cutlass.const_expr(cfg.mma == "wgmma" and cfg.output is not None):
-            # one K split: the CTA holds its whole 128-column tile, so it rotates it from shared memory
+        if cutlass.const_expr(cfg.whole_k):
+            # the CTA holds its whole 128-column tile, so it rotates it from shared memory
             rotate_tile_from_shared(cfg, acc, sX.iterator.toint(), mSvh, mBias, mY, col_tile0 // 8, tok0, tokens,
                                     warp, lane)
         else:
-            # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
-            q = lane % 4
-            for j, col_tile, group in acc_groups(cfg, warp):
-                col = (col_tile0 + col_tile) * 16 + lane // 4
-                tok = tok0 + group * 8 + 2 * q
-                if tok < tokens:
-                    mP[split, tok, col] = acc[4 * j]
-                    mP[split, tok, col + 8] = acc[4 * j + 2]
-                if tok + 1 < tokens:
-                    mP[split, tok + 1, col] = acc[4 * j + 1]
-                    mP[split, tok + 1, col + 8] = acc[4 * j + 3]
+            self.partials_epilogue(mP, mSvh, mBias, mY, mCounter, sLast, acc, split, bm, col_tile0, tok0, tokens,
+                                   tid, warp, lane)
 
-            if cutlass.const_expr(cfg.output is not None):
-                # Release our partials, then count this CTA in for its 128-column block of its token block.
-                ctas_per_block = 128 // (16 * cfg.warps)
-                block = col_tile0 // 8  # the 128-column block: 8 tile columns
-                slot = bm * (mW.shape[1] // 8) + block
-                counter = mCounter.iterator.toint() + Int64(slot) * 4
-                ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
-                if sLast[0] != 0:
-                    ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
-                    for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
-                        row = tok0 + r * cfg.warps + warp
-                        if row < tokens:
-                            reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, True, cfg.has_bias,
-                                                DTYPES[cfg.output])
-                    if tid == 0:
-                        ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+    @cute.jit
+    def partials_epilogue(self, mP, mSvh, mBias, mY, mCounter, sLast, acc, split, bm, col_tile0, tok0, tokens, tid,
+                          warp, lane):
+        """The CTA's partial sums to ``P[split]``; with ``output``, then the last CTA of its 128-column block (every
+        split written) sums them in split order and rotates, each warp its own rows, in batches whose loads are all
+        issued before the first butterfly."""
+        cfg = self.cfg
+        # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
+        q = lane % 4
+        for j, col_tile, group in acc_groups(cfg, warp):
+            col = (col_tile0 + col_tile) * 16 + lane // 4
+            tok = tok0 + group * 8 + 2 * q
+            if tok < tokens:
+                mP[split, tok, col] = acc[4 * j]
+                mP[split, tok, col + 8] = acc[4 * j + 2]
+            if tok + 1 < tokens:
+                mP[split, tok + 1, col] = acc[4 * j + 1]
+                mP[split, tok + 1, col + 8] = acc[4 * j + 3]
+
+        if cutlass.const_expr(cfg.output is not None):
+            # Release our partials, then count this CTA in for its 128-column block of its token block.
+            ctas_per_block = 128 // (16 * cfg.warps)
+            block = col_tile0 // 8  # the 128-column block: 8 tile columns
+            slot = bm * (mP.shape[2] // 128) + block
+            counter = mCounter.iterator.toint() + Int64(slot) * 4
+            ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
+            if sLast[0] != 0:
+                ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
+                rows_per_warp = cfg.tokens_per_cta // cfg.warps
+                for b in cutlass.range_constexpr(0, rows_per_warp, ROTATE_BATCH_ROWS):
+                    reduce_rotate_store(mP, mSvh, mBias, mY, tok0 + warp * rows_per_warp + b, block, lane, True,
+                                        cfg.has_bias, DTYPES[cfg.output], min(ROTATE_BATCH_ROWS, rows_per_warp - b))
+                if tid == 0:
+                    ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 
 
 @cute.jit

@@ -70,6 +70,10 @@ FOLD_MIN_TOKENS = 2048
 # 14336x4096 M=64 37.9 -> 34.3, M=128 66.3 -> 51.4, M=256 106 -> 80.8; M=512 even with dequant (156); below 33 tokens
 # even or slower (M=16 28.9 vs 24.8). docs/perf.md, seventh session.
 WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS = 33, 256
+# The warpgroup-MMA GEMM rotates its own output (path "gemm") with one K split (each CTA rotates its whole tiles from
+# shared memory: GemmConfig.whole_k), and with several where the last CTA of a block then sums at most this many
+# split rows (splits x tokens).
+WGMMA_FUSED_MAX_SPLIT_ROWS = 128
 
 
 @dataclass
@@ -142,8 +146,6 @@ def plan_gemm(
     rotated_input = config.pop("input", None)
     cfg = fitting_config(bits=float(info.bits), codebook=codebook, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
-    if cfg.mma == "wgmma" and cfg.output is not None:
-        return GemmPlan(cfg, 1, k_tiles)  # its epilogue rotates the CTA's whole tile: one K split
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)
     slots = gemm_resident_ctas(arch, cfg) * sm_count
     # With the input rotated in the prologue, a split's row of x must fit in shared memory beside the stages.
@@ -151,7 +153,10 @@ def plan_gemm(
     per_split = split_k(k_tiles, cfg.k_tiles_per_stage, ctas, slots, sm_count, fits, wave_fill(arch))
     if rotated_input is not None:
         cfg = replace(cfg, input=rotated_input, resident_k_tiles=per_split)
-    return GemmPlan(cfg, math.ceil(k_tiles / per_split), per_split)
+    splits = math.ceil(k_tiles / per_split)
+    if cfg.mma == "wgmma" and cfg.output is not None and splits == 1:
+        cfg = replace(cfg, whole_k=True)  # its epilogue rotates the CTA's tiles in shared memory
+    return GemmPlan(cfg, splits, per_split)
 
 
 def covering_groups(tokens: int, choices: tuple[int, ...]) -> int:
@@ -171,8 +176,10 @@ def choose_path(tokens: int, lin: DeviceLinear) -> str:
         return "dequant"
     if tokens == 1 or (tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT):
         return "gemm"
-    if uses_wgmma(tokens, target_arch(lin.device)) and plan_gemm(tokens, lin, sm_count(lin.device)).splits == 1:
-        return "gemm"  # each CTA holds whole tiles: the warpgroup GEMM's epilogue rotates them in shared memory
+    if uses_wgmma(tokens, target_arch(lin.device)):
+        splits = plan_gemm(tokens, lin, sm_count(lin.device)).splits
+        if splits == 1 or splits * tokens <= WGMMA_FUSED_MAX_SPLIT_ROWS:
+            return "gemm"
     return "gemm-unfused"
 
 

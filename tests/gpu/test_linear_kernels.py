@@ -159,25 +159,25 @@ def test_linear_matches_reference_on_random_shapes(seed, tokens, path):
     assert cosine(got, ref) >= 0.99999, what
 
 
-@pytest.mark.parametrize("tokens", [40, 100, 256])
+@pytest.mark.parametrize("tokens,whole_k", [(40, False), (100, True), (256, True)])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
-def test_warpgroup_gemm_rotates_its_tiles_in_shared_memory(seed, tokens, out_dtype):
-    """sm_90a, one K split: each CTA holds whole 128-column tiles and its epilogue rotates them from shared memory
-    (no partials, no counters): the bits of the same GEMM writing partials + the rotation kernel, on every launch
-    into NaN-poisoned outputs, and the reference within tolerance (an output width that ends inside a lane's four
-    columns)."""
+def test_warpgroup_gemm_fused_epilogue_equals_separate_rotation(seed, tokens, whole_k, out_dtype):
+    """sm_90a, output rotation fused: with one K split (``whole_k``, 100 and 256 tokens) each CTA rotates its whole
+    tiles from shared memory, with two (40 tokens, two CTAs an SM) the last CTA of a block sums the partials. Both
+    give the bits of the same GEMM writing partials + the rotation kernel, on every launch into NaN-poisoned
+    outputs, and the reference within tolerance (an output width that ends inside a lane's four columns)."""
     if not ops.has_wgmma(ops.target_arch("cuda")):
         pytest.skip("the warpgroup-MMA GEMM needs sm_90a")
-    tensors, lin = device_linear(seed, 1024, 638, 4.0, "mcg", bias=True)
-    x = torch.randn(tokens, 1024, dtype=torch.float16, device="cuda")
-    plan = ops.plan_for(lin, x, out_dtype, "gemm")
-    assert plan.launches == 2
-    gp = plan.gemm_plan
-    assert gp.config.mma == "wgmma" and gp.config.output is not None and gp.splits == 1
-    unfused = ops.GemmPlan(replace(gp.config, output=None, has_bias=False), 1, gp.k_tiles_per_split)
+    tensors, lin = device_linear(seed, 2048, 14334, 4.0, "mcg", bias=True)
+    x = torch.randn(tokens, 2048, dtype=torch.float16, device="cuda")
+    gp = ops.plan_for(lin, x, out_dtype, "gemm").gemm_plan
+    assert gp.config.mma == "wgmma" and gp.config.output is not None
+    assert gp.config.whole_k == whole_k == (gp.splits == 1)
+    unfused = ops.GemmPlan(replace(gp.config, output=None, has_bias=False, whole_k=False), gp.splits,
+                           gp.k_tiles_per_split)
     separate = ops.rotate_output(ops.trellis_gemm(ops.rotate_input(x, lin), lin, unfused), lin, out_dtype)
     for _ in range(3):
-        fused = ops.linear_forward(x, lin, out_dtype, path="gemm", out=poisoned((tokens, 638), out_dtype))
+        fused = ops.linear_forward(x, lin, out_dtype, path="gemm", out=poisoned((tokens, 14334), out_dtype))
         assert torch.equal(fused, separate), f"seed={seed}"
     assert rel_l2(fused.float(), linear_forward(x, tensors)) <= 2e-3, f"seed={seed}"
 
