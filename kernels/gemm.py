@@ -291,8 +291,7 @@ class TrellisGemm(DecodeGemmKernel):
     def partials_epilogue(self, mP, mSvh, mBias, mY, mCounter, sLast, acc, split, bm, col_tile0, tok0, tokens, tid,
                           warp, lane):
         """The CTA's partial sums to ``P[split]``; with ``output``, then the last CTA of its 128-column block (every
-        split written) sums them in split order and rotates, each warp its own rows, in batches whose loads are all
-        issued before the first butterfly."""
+        split written) sums them in split order and rotates them."""
         cfg = self.cfg
         # D rows are output columns (g, g+8), D columns are tokens (2q, 2q+1).
         q = lane % 4
@@ -315,10 +314,11 @@ class TrellisGemm(DecodeGemmKernel):
             ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
             if sLast[0] != 0:
                 ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
-                rows_per_warp = cfg.tokens_per_cta // cfg.warps
-                for b in cutlass.range_constexpr(0, rows_per_warp, ROTATE_BATCH_ROWS):
-                    reduce_rotate_store(mP, mSvh, mBias, mY, tok0 + warp * rows_per_warp + b, block, lane, True,
-                                        cfg.has_bias, DTYPES[cfg.output], min(ROTATE_BATCH_ROWS, rows_per_warp - b))
+                for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                    row = tok0 + r * cfg.warps + warp
+                    if row < tokens:
+                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, True, cfg.has_bias,
+                                            DTYPES[cfg.output])
                 if tid == 0:
                     ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 

@@ -164,46 +164,38 @@ def reduce_rotate_store(
     mSvh: cute.Tensor,
     mBias: cute.Tensor,
     mY: cute.Tensor,
-    row0: Int32,
+    row: Int32,
     block: Int32,
     lane: Int32,
     partial_f32: cutlass.Constexpr,
     has_bias: cutlass.Constexpr,
     out_type: cutlass.Constexpr,
-    rows: cutlass.Constexpr = 1,
 ):
-    """One warp: ``y[row, block*128 : +128] = H128(sum_s P[s, row, ...]) * svh (+ bias)``, columns < out_true, for
-    the ``rows`` rows from ``row0`` that exist.
+    """One warp: ``y[row, block*128 : +128] = H128(sum_s P[s, row, ...]) * svh (+ bias)``, columns < out_true.
 
-    One vector load per split and row (4 consecutive columns per lane), every row's load of a split issued
-    together and the split loop unrolled, so several are in flight; the splits are summed in index order, so the
-    result does not depend on timing (graph replays are identical). Loads bypass L1: in the GEMM's fused epilogue
-    the partials were just written by other CTAs."""
+    One vector load per split (4 consecutive columns per lane), unrolled so several splits are in flight; the
+    splits are summed in index order, so the result does not depend on timing (graph replays are identical).
+    Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
     col0 = block * 128 + 4 * lane
     svh = load4_vector(mSvh, col0)
     bias = load4_vector(mBias, col0) if cutlass.const_expr(has_bias) else None
-    acc = cute.make_rmem_tensor(cute.make_layout(4 * rows), Float32)
+    acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     acc.fill(0.0)
     elem = 4 if partial_f32 else 2
-    last = mP.shape[1] - 1
-    addrs = [mP.iterator.toint() + (Int64(cutlass.min(row0 + r, last)) * mP.shape[2] + col0) * elem
-             for r in range(rows)]
+    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0) * elem
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * elem
-    for split in cutlass.range(mP.shape[0], unroll=4 if rows == 1 else 2):
-        for r in cutlass.range_constexpr(rows):
-            if cutlass.const_expr(partial_f32):
-                part = ptx.ld_global_cg_v4_f32(addrs[r] + split * split_bytes)
-            else:
-                part = ptx.ld_global_cg_v4_f16_as_f32(addrs[r] + split * split_bytes)
-            for i in cutlass.range_constexpr(4):
-                acc[4 * r + i] = acc[4 * r + i] + part[i]
-    for r in cutlass.range_constexpr(rows):
-        v = hadamard128([acc[4 * r + i] for i in range(4)], lane)
-        y = [v[i] * svh[i] for i in range(4)]
-        if cutlass.const_expr(has_bias):
-            y = [y[i] + bias[i] for i in range(4)]
-        if row0 + r <= last:
-            store_row_quad(mY, row0 + r, col0, y, out_type, DTYPE_NAMES[out_type])
+    for split in cutlass.range(mP.shape[0], unroll=4):
+        if cutlass.const_expr(partial_f32):
+            part = ptx.ld_global_cg_v4_f32(addr + split * split_bytes)
+        else:
+            part = ptx.ld_global_cg_v4_f16_as_f32(addr + split * split_bytes)
+        for i in cutlass.range_constexpr(4):
+            acc[i] = acc[i] + part[i]
+    v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
+    y = [v[i] * svh[i] for i in range(4)]
+    if cutlass.const_expr(has_bias):
+        y = [y[i] + bias[i] for i in range(4)]
+    store_row_quad(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
 
 
 @dataclass(frozen=True)

@@ -106,10 +106,10 @@ def test_warpgroup_mma_where_the_target_has_it(monkeypatch):
     assert all(plan_gemm(m, lin, 170, arch="sm_120a").config.mma == "sync" for m in (33, 64, 256))
     monkeypatch.setenv("EXL3TOOL_ARCH", "sm_90a")
     monkeypatch.setattr(linear_ops, "sm_count", lambda device: 132)
-    # the GEMM's epilogue rotates: one K split (4096x14336 from 65 tokens), or two of up to 64 tokens
+    # one K split (the whole K in each CTA: 4096x14336 from 65 tokens): the GEMM's epilogue rotates its tiles
     assert [choose_path(m, lin) for m in (32, 33, 64, 65, WGMMA_MAX_TOKENS, WGMMA_MAX_TOKENS + 1, FOLD_MIN_TOKENS)] == [
-        "gemm-unfused", "gemm", "gemm", "gemm", "gemm", "dequant", "fold"]
-    assert choose_path(WGMMA_MAX_TOKENS, linear(14336, 4096)) == "gemm-unfused"  # four splits of 256 rows
+        "gemm-unfused", "gemm-unfused", "gemm-unfused", "gemm", "gemm", "dequant", "fold"]
+    assert choose_path(WGMMA_MAX_TOKENS, linear(14336, 4096)) == "gemm-unfused"  # four splits
     # the fused output rotation: from shared memory where one split covers K, else by the last CTA of a block
     fused = [plan_gemm(WGMMA_MAX_TOKENS, linear(*shape), 132, arch="sm_90a", output="float16")
              for shape in ((4096, 14336), (14336, 4096))]
