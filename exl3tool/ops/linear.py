@@ -70,11 +70,6 @@ FOLD_MIN_TOKENS = 2048
 # 14336x4096 M=64 37.9 -> 34.3, M=128 66.3 -> 51.4, M=256 106 -> 80.8; M=512 even with dequant (156); below 33 tokens
 # even or slower (M=16 28.9 vs 24.8). docs/perf.md, seventh session.
 WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS = 33, 256
-# WGMMA_WHOLE_K_EPILOGUE: with one K split the warpgroup-MMA GEMM rotates its own output (path "gemm": each CTA
-# rotates its whole tiles in shared memory, GemmConfig.whole_k). H200, K=4 mcg, whole linear, graph, y bit-identical,
-# us (gemm-unfused -> gemm): 4096x14336 M=128 47.61 -> 45.61, M=256 69.02 -> 64.99. With split-K (the last CTA of a
-# block sums the partials and rotates) it lost: 4096x14336 M=40 / 64 33.26 -> 35.40 / 34.65 -> 36.00, 14336x4096
-# M=64 / 128 / 256 32.67 -> 35.93 / 43.82 -> 52.60 / 64.96 -> 76.88; so it stays a launch there.
 
 
 @dataclass
@@ -177,8 +172,14 @@ def choose_path(tokens: int, lin: DeviceLinear) -> str:
         return "dequant"
     if tokens == 1 or (tokens <= FUSED_MAX_TOKENS and lin.info.out_padded <= FUSED_MAX_OUT):
         return "gemm"
-    if uses_wgmma(tokens, target_arch(lin.device)) and plan_gemm(tokens, lin, sm_count(lin.device)).splits == 1:
-        return "gemm"  # one K split: the GEMM rotates each CTA's tiles in shared memory (WGMMA_WHOLE_K_EPILOGUE)
+    # With one K split the warpgroup-MMA GEMM rotates its own output: each CTA its whole tiles, in shared memory
+    # (GemmConfig.whole_k). H200, K=4 mcg, whole linear, graph, y bit-identical, us (gemm-unfused -> gemm): 4096x14336
+    # M=128 47.61 -> 45.61, M=256 69.02 -> 64.99. With split-K (the last CTA of a block sums the partials and
+    # rotates) it lost: 4096x14336 M=40 / 64 33.26 -> 35.40 / 34.65 -> 36.00, 14336x4096 M=64 / 128 / 256 32.67 ->
+    # 35.93 / 43.82 -> 52.60 / 64.96 -> 76.88; so the rotation stays a launch there.
+    if (WGMMA_MIN_TOKENS <= tokens <= WGMMA_MAX_TOKENS and uses_wgmma(tokens, target_arch(lin.device))
+            and plan_gemm(tokens, lin, sm_count(lin.device)).splits == 1):
+        return "gemm"
     return "gemm-unfused"
 
 
