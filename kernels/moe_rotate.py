@@ -157,8 +157,8 @@ class Intermediate:
     def __call__(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                  mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32,
                  stream: cuda.CUstream):
-        grid = (mRot.shape[1] // 3 // 128 // self.cfg.blocks_per_warp, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA,
-                1)
+        blocks = mRot.shape[1] // 3 // 128 // self.cfg.blocks_per_warp  # of blocks_per_warp 128-column blocks
+        grid = (blocks, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, inter_true, block_rows).launch(
             grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
