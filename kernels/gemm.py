@@ -32,7 +32,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .rotate import DTYPES, hadamard128, load4_vector, reduce_rotate_store, rotate_into_shared, store_row_quad
+from .rotate import (
+    DTYPES,
+    load4_vector,
+    reduce_rotate_store,
+    rotate_into_shared,
+    rotated_output_quad,
+    store_row_quad,
+)
 from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
     CHUNK_UNROLL,
     DecodeGemmKernel,
@@ -349,8 +356,6 @@ def rotate_tile_from_shared(cfg: cutlass.Constexpr, acc: cute.Tensor, tile_addr:
                 for r in batch]
         for r, v in zip(batch, rows):
             row = tok0 + r * cfg.warps + warp
-            y = [x * s for x, s in zip(hadamard128(list(v), lane), svh)]
-            if cutlass.const_expr(cfg.has_bias):
-                y = [y[i] + bias[i] for i in range(4)]
+            y = rotated_output_quad(list(v), svh, bias, lane)
             if row < tokens:
                 store_row_quad(mY, row, col0, y, DTYPES[cfg.output], cfg.output)

@@ -38,18 +38,21 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
-def load4(tensor, row, col, dtype: str = "float16"):
-    """Four consecutive fp16/bf16 ``tensor[row, col ..]`` of a contiguous matrix (8-byte aligned) as Float32."""
-    addr = tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2
+def load4_at(addr, dtype: str = "float16"):
+    """Four consecutive fp16/bf16 at an 8-byte aligned global address as Float32: one load."""
     w = ptx.ld_global_v2_b32(addr)
     return list(ptx.words_to_f32(w[0], w[1], dtype))
 
 
-def load4_vector(tensor, col, dtype: str = "float16"):
-    """Four consecutive fp16/bf16 ``tensor[col ..]`` of a vector (8-byte aligned: its fake tensor says so, and TVM
-    FFI checks it) as Float32: one load."""
-    w = ptx.ld_global_v2_b32(tensor.iterator.toint() + Int64(col) * 2)
-    return list(ptx.words_to_f32(w[0], w[1], dtype))
+def load4(tensor, row, col, dtype: str = "float16"):
+    """Four consecutive fp16/bf16 ``tensor[row, col ..]`` of a contiguous matrix (8-byte aligned) as Float32."""
+    return load4_at(tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2, dtype)
+
+
+def load4_vector(tensor, col):
+    """Four consecutive fp16 ``tensor[col ..]`` of a vector (8-byte aligned: its fake tensor says so, and TVM FFI
+    checks it) as Float32."""
+    return load4_at(tensor.iterator.toint() + Int64(col) * 2)
 
 
 def store4(addr, values, dtype: str):
@@ -89,8 +92,7 @@ def row_quad(mX: cute.Tensor, row: Int32, col0: Int32, dtype: cutlass.Constexpr)
     addr = mX.iterator.toint() + (Int64(row) * mX.stride[0] + col0) * 2
     whole = col0 + 4 <= width
     if whole and (addr & 7) == 0:
-        w = ptx.ld_global_v2_b32(addr)
-        f = ptx.words_to_f32(w[0], w[1], dtype)
+        f = load4_at(addr, dtype)
         for i in cutlass.range_constexpr(4):
             v[i] = f[i]
     else:
@@ -191,11 +193,15 @@ def reduce_rotate_store(
             part = ptx.ld_global_cg_v4_f16_as_f32(addr + split * split_bytes)
         for i in cutlass.range_constexpr(4):
             acc[i] = acc[i] + part[i]
-    v = hadamard128([acc[0], acc[1], acc[2], acc[3]], lane)
-    y = [v[i] * svh[i] for i in range(4)]
-    if cutlass.const_expr(has_bias):
-        y = [y[i] + bias[i] for i in range(4)]
+    y = rotated_output_quad([acc[0], acc[1], acc[2], acc[3]], svh, bias, lane)
     store_row_quad(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
+
+
+def rotated_output_quad(v, svh, bias, lane):
+    """``H128(v) * svh (+ bias)`` for a lane's four values of a 128-block (``bias`` None: none). The arithmetic of
+    every output rotation, written once; traced inline."""
+    y = [x * s for x, s in zip(hadamard128(v, lane), svh)]
+    return y if bias is None else [x + b for x, b in zip(y, bias)]
 
 
 @dataclass(frozen=True)
