@@ -34,11 +34,11 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .rotate import (
     DTYPES,
-    load4_vector,
+    load_vector,
     reduce_rotate_store,
     rotate_into_shared,
-    rotated_output_quad,
-    store_row_quad,
+    rotated_output_values,
+    store_row_values,
 )
 from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here)
     CHUNK_UNROLL,
@@ -324,8 +324,8 @@ class TrellisGemm(DecodeGemmKernel):
                 for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                     row = tok0 + r * cfg.warps + warp
                     if row < tokens:
-                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, True, cfg.has_bias,
-                                            DTYPES[cfg.output])
+                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block * 128 + 4 * lane, lane, True, 4, True,
+                                            cfg.has_bias, DTYPES[cfg.output])
                 if tid == 0:
                     ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 
@@ -347,8 +347,8 @@ def rotate_tile_from_shared(cfg: cutlass.Constexpr, acc: cute.Tensor, tile_addr:
             ptx.st_shared_f32(tile_addr + (tok * TILE_PITCH + col + 8 * (i // 2)) * 4, acc[4 * j + i])
     cute.arch.sync_threads()
     col0 = block * 128 + 4 * lane
-    svh = load4_vector(mSvh, col0)
-    bias = load4_vector(mBias, col0) if cutlass.const_expr(cfg.has_bias) else None
+    svh = load_vector(mSvh, col0)
+    bias = load_vector(mBias, col0) if cutlass.const_expr(cfg.has_bias) else None
     rows_per_warp = cfg.tokens_per_cta // cfg.warps
     for b in cutlass.range_constexpr(0, rows_per_warp, ROTATE_BATCH_ROWS):
         batch = range(b, min(b + ROTATE_BATCH_ROWS, rows_per_warp))
@@ -356,6 +356,6 @@ def rotate_tile_from_shared(cfg: cutlass.Constexpr, acc: cute.Tensor, tile_addr:
                 for r in batch]
         for r, v in zip(batch, rows):
             row = tok0 + r * cfg.warps + warp
-            y = rotated_output_quad(list(v), svh, bias, lane)
+            y = rotated_output_values(list(v), svh, bias, lane)
             if row < tokens:
-                store_row_quad(mY, row, col0, y, DTYPES[cfg.output], cfg.output)
+                store_row_values(mY, row, col0, y, DTYPES[cfg.output], cfg.output)

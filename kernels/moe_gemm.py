@@ -71,7 +71,7 @@ class MoEGemmConfig:
     # splits and groups: the counter spans every group's launch); ``topk_sum`` is that launch's config.
     topk_sum: TopKSumConfig | None = None
     # X's column order, as GemmConfig.x_order: what the route input rotation (or the intermediate, for the down
-    # GEMM) writes (moe_rotate.store_x_quad); x2_order: the fused intermediate's X2 (the down GEMM's x_order)
+    # GEMM) writes (rotate.store_x_values); x2_order: the fused intermediate's X2 (the down GEMM's x_order)
     x_order: str = "rows"
     x2_order: str = "rows"
     mma: str = "sync"  # GemmConfig.mma: "wgmma" (sm_90a) for the large route blocks

@@ -15,7 +15,7 @@ TopKSum             per token t: ``y[t] = sum_j w[t, j] * H128(sum_s P2[s, route
                     ``blocks_per_cta`` column blocks of a token; its warps share the slots (a slot's indices are
                     loaded once for all its blocks) and the terms are summed from shared memory in slot order.
 Rows of unused blocks, padding rows (row_route -1) and rows of other groups are skipped; nothing reads them.
-X and X2 rows are stored in the column order the MoE GEMMs read them in (``x_order``, ``store_x_quad``).
+X and X2 rows are stored in the column order the MoE GEMMs read them in (``x_order``, ``store_x_values``).
 """
 
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import hadamard128, load4, store4, store_x_quad
+from .rotate import hadamard128, load4, store4, store_x_values
 from .trellis import x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
@@ -133,7 +133,7 @@ class RouteInputRotation:
                     for plane in cutlass.range_constexpr(2):
                         suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
-                        store_x_quad(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes, col0,
+                        store_x_values(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes, col0,
                                      v, self.cfg.x_order)
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
@@ -197,7 +197,7 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
             hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
             h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
         v = hadamard128(h, lane)
-        store_x_quad(mX2.iterator.toint() + Int64(row) * (2 * x_row_halves(inter_p, x_order)), col0, v, x_order)
+        store_x_values(mX2.iterator.toint() + Int64(row) * (2 * x_row_halves(inter_p, x_order)), col0, v, x_order)
 
 
 @dataclass(frozen=True)

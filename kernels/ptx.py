@@ -343,6 +343,22 @@ def ld_global_v2_b32(gmem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_global_v4_b32(gmem_addr, *, loc=None, ip=None):
+    """Four 32-bit words from a 16-byte aligned global address (data this launch does not write)."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Int32, values, "ld.global.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l", side_effects=True,
+                  loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_cg_v4_b32(gmem_addr, *, loc=None, ip=None):
+    """Four 32-bit words from a 16-byte aligned global address, cached in L2 only (``ld_global_cg_v4_f32``)."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    return _asm_4(Int32, values, "ld.global.cg.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l", side_effects=True,
+                  loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_global_v2_b32(gmem_addr, w0, w1, *, loc=None, ip=None) -> None:
     values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1)]
     _asm_void(values, "st.global.v2.b32 [$0], {$1,$2};", "l,r,r", loc=loc, ip=ip)

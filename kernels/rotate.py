@@ -1,11 +1,13 @@
-"""The incoherence rotations around the trellis GEMM (format doc section 5), one warp per (row, 128-block).
+"""The incoherence rotations around the trellis GEMM (format doc section 5), a warp per row's 128-blocks.
 
 Input:  ``X_rot[r, :] = H128(x[r, :] * suh)`` per 128-column block, fp32 math, stored fp16 for the MMA.
 Output: ``y[r, :] = H128(sum_s P[s, r, :]) * svh + bias``, which also reduces the GEMM's K splits.
 
-Lane ``l`` holds elements ``4l .. 4l+3`` of a block: the two low index bits are butterflies in registers, the
-five high bits are ``shfl.bfly`` exchanges with lanes ``l ^ 1 .. l ^ 16``. H128 is the natural-order Sylvester
-matrix scaled by ``1/sqrt(128)``; it is symmetric and its own inverse.
+With 4 values a lane, lane ``l`` holds elements ``4l .. 4l+3`` of a block: the two low index bits are butterflies
+in registers, the five high bits are ``shfl.bfly`` exchanges with lanes ``l ^ 1 .. l ^ 16``. With 8 (the dense
+input rotation), lanes ``16h + l`` hold elements ``8l .. 8l+7`` of the warp's block h: three bits in registers,
+four exchanges. H128 is the natural-order Sylvester matrix scaled by ``1/sqrt(128)``; it is symmetric and its own
+inverse.
 """
 
 import math
@@ -21,16 +23,32 @@ from .trellis import X_ORDERS, x_doubled_word, x_pair_word
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
+# Values a lane holds in the dense rotation kernels (4 or 8; the same bits either way). The input rotation takes 8
+# (16-byte x loads, a warp per two 128-blocks of a row: twice the bytes in flight per resident warp), the output
+# rotation 4 (its split loads already keep enough in flight; 8 halves its warps and lost). H200, K=4 mcg, kernel
+# us, 4 -> 8 values, same call, bit-identical: input 14336x4096 M=64 / 128 / 256 2.8 / 4.2 / 7.1 -> 2.3 / 3.8 /
+# 6.1, 4096x14336 M=256 3.0 -> 2.5; output 14336x4096 M=16 / 64 / 256 3.3 / 3.0 / 4.6 -> 3.7 / 3.8 / 5.9.
+# The GEMM epilogues and the MoE rotations hold 4.
+INPUT_LANE_VALUES, OUTPUT_LANE_VALUES = 8, 4
 
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 DTYPE_NAMES = {t: name for name, t in DTYPES.items()}
 
 
 def hadamard128(v, lane):
-    """Rotate the 128-vector spread over a warp as 4 values per lane (a list of 4 Float32, returned new)."""
-    a = (v[0] + v[1], v[0] - v[1], v[2] + v[3], v[2] - v[3])
-    v = [a[0] + a[2], a[1] + a[3], a[0] - a[2], a[1] - a[3]]
-    for bit in range(5):
+    """Rotate the 128-vectors spread over a warp as ``len(v)`` = 4 or 8 consecutive values per lane (one vector
+    per 32 or 16 lanes), returned new. The seven butterfly stages run in index-bit order whatever the split (the
+    low bits in registers, the high ones as ``shfl.bfly`` with lanes ``l ^ 1 ..``), so both give the same bits."""
+    n = len(v)
+    register_bits = {4: 2, 8: 3}[n]
+    for bit in range(register_bits):
+        step = 1 << bit
+        out = list(v)
+        for i in range(n):
+            if i & step == 0:
+                out[i], out[i + step] = v[i] + v[i + step], v[i] - v[i + step]
+        v = out
+    for bit in range(7 - register_bits):
         offset = 1 << bit
         # The lane with the bit set holds the "minus" side: new = partner - self; otherwise partner + self.
         sign = Float32(1.0) - Float32(2.0) * Float32((lane >> bit) & 1)
@@ -38,21 +56,33 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
-def load4_at(addr, dtype: str = "float16"):
-    """Four consecutive fp16/bf16 at an 8-byte aligned global address as Float32: one load."""
-    w = ptx.ld_global_v2_b32(addr)
-    return list(ptx.words_to_f32(w[0], w[1], dtype))
+def lane_columns(bx, lane, n: int, n_blocks):
+    """(this lane's first column, whether its 128-block exists) in warp ``bx``'s blocks of a rotation kernel with
+    ``n`` values a lane (``128 // n`` lanes a block). A block past the last (odd block counts, 8 values) repeats
+    the last one's loads and stores nothing. Traced inline."""
+    lanes = 128 // n
+    block = bx * (32 // lanes) + lane // lanes
+    return cutlass.min(block, n_blocks - 1) * 128 + n * (lane % lanes), block < n_blocks
+
+
+def load_at(addr, dtype: str = "float16", n: int = 4):
+    """``n`` = 4 or 8 consecutive fp16/bf16 at a ``2n``-byte aligned global address as Float32: one load."""
+    if n == 4:
+        w = ptx.ld_global_v2_b32(addr)
+    else:
+        w = ptx.ld_global_v4_b32(addr)
+    return [x for i in range(0, n // 2, 2) for x in ptx.words_to_f32(w[i], w[i + 1], dtype)]
 
 
 def load4(tensor, row, col, dtype: str = "float16"):
     """Four consecutive fp16/bf16 ``tensor[row, col ..]`` of a contiguous matrix (8-byte aligned) as Float32."""
-    return load4_at(tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2, dtype)
+    return load_at(tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2, dtype)
 
 
-def load4_vector(tensor, col):
-    """Four consecutive fp16 ``tensor[col ..]`` of a vector (8-byte aligned: its fake tensor says so, and TVM FFI
-    checks it) as Float32."""
-    return load4_at(tensor.iterator.toint() + Int64(col) * 2)
+def load_vector(tensor, col, n: int = 4):
+    """``n`` consecutive fp16 ``tensor[col ..]`` of a vector as Float32, 8 bytes a load (the vector is 8-byte
+    aligned: its fake tensor says so, and TVM FFI checks it)."""
+    return [x for c in range(0, n, 4) for x in load_at(tensor.iterator.toint() + Int64(col + c) * 2)]
 
 
 def store4(addr, values, dtype: str):
@@ -64,74 +94,79 @@ def store4(addr, values, dtype: str):
                              ptx.pack_f32x2(values[2], values[3], dtype))
 
 
-def store_x_quad(row_addr, col0, values, x_order: str):
-    """A lane's four consecutive columns ``col0 ..`` (a multiple of 4) of a GEMM input row at ``row_addr``, fp16, in
-    the GEMM's column order: rows (one 8-byte store), fragments (``trellis.x_fragment_slot``: two 4-byte stores,
-    the column pairs (col0, col0+1) and (col0+2, col0+3)) or doubled (``trellis.x_doubled_word``: four 4-byte
-    stores of (v, v))."""
+def store_at(addr, values, dtype: str):
+    """4 or 8 Float32 to consecutive fp16/bf16 or fp32 at a ``len(values)``-element aligned ``addr``: 8 fp16 in
+    one 16-byte store, else ``store4`` per four."""
+    if len(values) == 8 and dtype != "float32":
+        ptx.st_global_v4(addr, [ptx.pack_f32x2(values[i], values[i + 1], dtype) for i in range(0, 8, 2)])
+        return
+    for c in range(0, len(values), 4):
+        store4(addr + c * (4 if dtype == "float32" else 2), values[c : c + 4], dtype)
+
+
+def store_x_values(row_addr, col0, values, x_order: str):
+    """A lane's 4 or 8 consecutive columns ``col0 ..`` (a multiple of their count) of a GEMM input row at
+    ``row_addr``, fp16, in the GEMM's column order: rows (one 8- or 16-byte store), fragments
+    (``trellis.x_fragment_slot``: one 4-byte store per column pair) or doubled (``trellis.x_doubled_word``: one
+    4-byte store of (v, v) per column)."""
     if x_order == "rows":
-        store4(row_addr + Int64(col0) * 2, values, "float16")
+        store_at(row_addr + Int64(col0) * 2, values, "float16")
         return
     if x_order == "doubled":
-        for i in range(4):
+        for i in range(len(values)):
             ptx.st_global_u32(row_addr + Int64(x_doubled_word(col0 + i)) * 4,
                               ptx.pack_f32x2(values[i], values[i], "float16"))
         return
-    for h in range(2):
-        word = x_pair_word(col0 + 2 * h, x_order)
-        ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[2 * h], values[2 * h + 1], "float16"))
+    for h in range(0, len(values), 2):
+        word = x_pair_word(col0 + h, x_order)
+        ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[h], values[h + 1], "float16"))
 
 
 @cute.jit
-def row_quad(mX: cute.Tensor, row: Int32, col0: Int32, dtype: cutlass.Constexpr):
-    """``x[row, col0 .. col0+3]`` as 4 Float32, columns past x's width zero. One 8-byte load where the four are
-    inside the row and 8-byte aligned (x rows may be strided views of any width), else four 2-byte ones: the same
-    values either way."""
-    v = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+def row_values(mX: cute.Tensor, row: Int32, col0: Int32, n: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """``x[row, col0 .. col0+n-1]`` as ``n`` (4 or 8) Float32, columns past x's width zero. One vector load where
+    the ``n`` are inside the row and aligned (x rows may be strided views of any width), else one 2-byte load per
+    column: the same values either way."""
+    v = cute.make_rmem_tensor(cute.make_layout(n), Float32)
     width = mX.shape[1]
     addr = mX.iterator.toint() + (Int64(row) * mX.stride[0] + col0) * 2
-    whole = col0 + 4 <= width
-    if whole and (addr & 7) == 0:
-        f = load4_at(addr, dtype)
-        for i in cutlass.range_constexpr(4):
+    whole = col0 + n <= width
+    if whole and (addr & (2 * n - 1)) == 0:
+        f = load_at(addr, dtype, n)
+        for i in cutlass.range_constexpr(n):
             v[i] = f[i]
     else:
-        for i in cutlass.range_constexpr(4):
+        for i in cutlass.range_constexpr(n):
             col = col0 + i
             x = Float32(mX[row, cutlass.min(col, width - 1)])
             v[i] = cutlass.select_(col < width, x, Float32(0.0))
-    return [v[0], v[1], v[2], v[3]]
+    return [v[i] for i in range(n)]
 
 
 @cute.jit
-def store_row_quad(mY: cute.Tensor, row: Int32, col0: Int32, values, out_type: cutlass.Constexpr,
-                   dtype: cutlass.Constexpr):
-    """``y[row, col0 .. col0+3] = values`` (4 Float32 cast to y's type), columns past y's width skipped: one
-    vector store where the four are inside the row and aligned, else one store per column."""
+def store_row_values(mY: cute.Tensor, row: Int32, col0: Int32, values, out_type: cutlass.Constexpr,
+                     dtype: cutlass.Constexpr):
+    """``y[row, col0 ..] = values`` (4 or 8 Float32 cast to y's type), columns past y's width skipped: vector
+    stores where the values are inside the row and aligned, else one store per column."""
+    n = len(values)
     elem = 4 if dtype == "float32" else 2
     addr = mY.iterator.toint() + (Int64(row) * mY.stride[0] + col0) * elem
-    whole = col0 + 4 <= mY.shape[1]
-    if whole and (addr & (4 * elem - 1)) == 0:
-        store4(addr, values, dtype)
+    whole = col0 + n <= mY.shape[1]
+    if whole and (addr & (cutlass.min(n * elem, 16) - 1)) == 0:
+        store_at(addr, values, dtype)
     else:
-        for i in cutlass.range_constexpr(4):
+        for i in cutlass.range_constexpr(n):
             if col0 + i < mY.shape[1]:
                 mY[row, col0 + i] = out_type(values[i])
 
 
-def scaled_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, suh_row=None):
-    """``x[row, col0 .. col0+3] * suh`` as 4 Float32, columns past x's width +0: a lane's share of one 128-block
-    of an input rotation before its butterflies. ``suh`` is a vector, or row ``suh_row`` of a matrix (an expert's),
-    8-byte aligned. Traced inline."""
-    x = row_quad(mX, row, col0, DTYPE_NAMES[mX.element_type])
-    suh = load4_vector(mSuh, col0) if suh_row is None else load4(mSuh, suh_row, col0)
-    return [cutlass.select_(col0 + i < mX.shape[1], x[i] * suh[i], Float32(0.0)) for i in range(4)]
-
-
-def rotated_quad(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, lane: Int32):
-    """One warp's 128-block of ``H128(x[row] * suh)``: this lane's elements ``col0 .. col0+3`` (``4*lane ..`` of
-    the block). The arithmetic of every input rotation, written once; traced inline."""
-    return hadamard128(scaled_quad(mX, mSuh, row, col0), lane)
+def scaled_values(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, n: int = 4, suh_row=None):
+    """``x[row, col0 .. col0+n-1] * suh`` as ``n`` Float32, columns past x's width +0: a lane's share of one
+    128-block of an input rotation before its butterflies. ``suh`` is a vector, or row ``suh_row`` of a matrix (an
+    expert's, n = 4), 8-byte aligned. Traced inline."""
+    suh = load_vector(mSuh, col0, n) if suh_row is None else load4(mSuh, suh_row, col0)  # first: x's load may branch
+    x = row_values(mX, row, col0, n, DTYPE_NAMES[mX.element_type])
+    return [cutlass.select_(col0 + i < mX.shape[1], x[i] * suh[i], Float32(0.0)) for i in range(n)]
 
 
 @cute.jit
@@ -145,8 +180,8 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
     round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
     ``InputRotation`` (with ``suh_matrix``, row ``suh_row`` of suh: to ``moe_rotate.RouteInputRotation``)."""
     last = cutlass.max(n_blocks - 1, 0)
-    scaled = [scaled_quad(mX, mSuh, Int32(0), k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
-                          suh_row if suh_matrix else None) for r in range(rounds)]
+    scaled = [scaled_values(mX, mSuh, Int32(0), k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
+                            4, suh_row if suh_matrix else None) for r in range(rounds)]
     for r in cutlass.range_constexpr(rounds):
         v = hadamard128(scaled[r], lane)
         b = warp + r * warps
@@ -167,51 +202,72 @@ def reduce_rotate_store(
     mBias: cute.Tensor,
     mY: cute.Tensor,
     row: Int32,
-    block: Int32,
+    col0: Int32,
     lane: Int32,
+    exists,
+    n: cutlass.Constexpr,
     partial_f32: cutlass.Constexpr,
     has_bias: cutlass.Constexpr,
     out_type: cutlass.Constexpr,
 ):
-    """One warp: ``y[row, block*128 : +128] = H128(sum_s P[s, row, ...]) * svh (+ bias)``, columns < out_true.
+    """A warp's 128-blocks of ``y[row] = H128(sum_s P[s, row]) * svh (+ bias)``, columns < out_true: this lane's
+    ``n`` (4 or 8) columns from ``col0``, stored if ``exists`` (its lanes still take part in the butterflies).
 
-    One vector load per split (4 consecutive columns per lane), unrolled so several splits are in flight; the
+    Vector loads per split (``n`` consecutive columns per lane), unrolled so several splits are in flight; the
     splits are summed in index order, so the result does not depend on timing (graph replays are identical).
     Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
-    col0 = block * 128 + 4 * lane
-    svh = load4_vector(mSvh, col0)
-    bias = load4_vector(mBias, col0) if cutlass.const_expr(has_bias) else None
-    acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    svh = load_vector(mSvh, col0, n)
+    bias = load_vector(mBias, col0, n) if cutlass.const_expr(has_bias) else None
+    acc = cute.make_rmem_tensor(cute.make_layout(n), Float32)
     acc.fill(0.0)
     elem = 4 if partial_f32 else 2
     addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0) * elem
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * elem
     for split in cutlass.range(mP.shape[0], unroll=4):
-        if cutlass.const_expr(partial_f32):
-            part = ptx.ld_global_cg_v4_f32(addr + split * split_bytes)
-        else:
-            part = ptx.ld_global_cg_v4_f16_as_f32(addr + split * split_bytes)
-        for i in cutlass.range_constexpr(4):
+        part = partial_values(addr + split * split_bytes, n, partial_f32)
+        for i in cutlass.range_constexpr(n):
             acc[i] = acc[i] + part[i]
-    y = rotated_output_quad([acc[0], acc[1], acc[2], acc[3]], svh, bias, lane)
-    store_row_quad(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
+    y = rotated_output_values([acc[i] for i in range(n)], svh, bias, lane)
+    if exists:
+        store_row_values(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
 
 
-def rotated_output_quad(v, svh, bias, lane):
-    """``H128(v) * svh (+ bias)`` for a lane's four values of a 128-block (``bias`` None: none). The arithmetic of
-    every output rotation, written once; traced inline."""
+def partial_values(addr, n: int, partial_f32: bool):
+    """``n`` (4 or 8) consecutive fp32 or fp16 partial sums at ``addr`` as Float32, through L2 only, 16 bytes a
+    load where they fill one. Traced inline."""
+    if partial_f32:
+        return [x for c in range(0, n, 4) for x in ptx.ld_global_cg_v4_f32(addr + 16 * (c // 4))]
+    if n == 4:
+        return list(ptx.ld_global_cg_v4_f16_as_f32(addr))
+    w = ptx.ld_global_cg_v4_b32(addr)
+    return [x for i in range(0, 4, 2) for x in ptx.words_to_f32(w[i], w[i + 1], "float16")]
+
+
+def rotated_output_values(v, svh, bias, lane):
+    """``H128(v) * svh (+ bias)`` for a lane's 4 or 8 values of a 128-block (``bias`` None: none). The arithmetic
+    of every output rotation, written once; traced inline."""
     y = [x * s for x, s in zip(hadamard128(v, lane), svh)]
     return y if bias is None else [x + b for x, b in zip(y, bias)]
+
+
+def rotation_grid(n_blocks, rows, lane_values: int):
+    """A dense rotation kernel's grid: x over the 128-blocks of a row, ``lane_values // 4`` per warp; y over the
+    rows, ``ROWS_PER_CTA`` (one a warp) per CTA."""
+    per_warp = lane_values // 4
+    return ((n_blocks + per_warp - 1) // per_warp, (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
 
 
 @dataclass(frozen=True)
 class InputRotationConfig:
     in_dtype: str  # "float16" | "bfloat16"
     x_order: str = "rows"  # the GEMM's X column order (GemmConfig.x_order)
+    lane_values: int = INPUT_LANE_VALUES
 
     def __post_init__(self):
         if self.x_order not in X_ORDERS:
             raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
+        if self.lane_values not in (4, 8):
+            raise ValueError("lane_values must be 4 or 8")
 
 
 class InputRotation:
@@ -226,20 +282,22 @@ class InputRotation:
     def __call__(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor, stream: cuda.CUstream):
         """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16
         (``(M, 2*in_p)`` in doubled order)."""
-        grid = (mSuh.shape[0] // 128, (mXr.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        grid = rotation_grid(mSuh.shape[0] // 128, mXr.shape[0], self.cfg.lane_values)
         self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor):
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
-        block, rows, _ = cute.arch.block_idx()
+        bx, rows, _ = cute.arch.block_idx()
         lane = tid % 32
         row = rows * ROWS_PER_CTA + tid // 32
-        col0 = block * 128 + 4 * lane
+        n = self.cfg.lane_values
+        col0, exists = lane_columns(bx, lane, n, mSuh.shape[0] // 128)
         if row < mX.shape[0]:
-            v = rotated_quad(mX, mSuh, row, col0, lane)
-            store_x_quad(mXr.iterator.toint() + Int64(row) * mXr.shape[1] * 2, col0, v, self.cfg.x_order)
+            v = hadamard128(scaled_values(mX, mSuh, row, col0, n), lane)
+            if exists:
+                store_x_values(mXr.iterator.toint() + Int64(row) * mXr.shape[1] * 2, col0, v, self.cfg.x_order)
 
 
 @dataclass(frozen=True)
@@ -247,6 +305,11 @@ class OutputRotationConfig:
     out_dtype: str  # "float16" | "bfloat16" | "float32"
     partial_dtype: str = "float32"  # "float16" when the partials come from a dequantize + cuBLAS GEMM
     has_bias: bool = False
+    lane_values: int = OUTPUT_LANE_VALUES
+
+    def __post_init__(self):
+        if self.lane_values not in (4, 8):
+            raise ValueError("lane_values must be 4 or 8")
 
 
 class OutputRotation:
@@ -260,7 +323,7 @@ class OutputRotation:
     def __call__(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias, mY: cute.Tensor, stream: cuda.CUstream):
         """mP ``(splits, M, out_p)``, mSvh ``(out_p,)`` fp16, mBias ``(out_p,)`` fp16 or None, mY ``(M, out_true)``."""
         bias = mSvh if cutlass.const_expr(mBias is None) else mBias  # never read without a bias
-        grid = (mP.shape[2] // 128, (mP.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        grid = rotation_grid(mP.shape[2] // 128, mP.shape[1], self.cfg.lane_values)
         self.kernel(mP, mSvh, bias, mY).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream,
                                                **ptx.pdl_launch())
 
@@ -268,9 +331,11 @@ class OutputRotation:
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor):
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
-        block, rows, _ = cute.arch.block_idx()
+        bx, rows, _ = cute.arch.block_idx()
         lane = tid % 32
         row = rows * ROWS_PER_CTA + tid // 32
+        n = self.cfg.lane_values
+        col0, exists = lane_columns(bx, lane, n, mP.shape[2] // 128)
         if row < mP.shape[1]:
-            reduce_rotate_store(mP, mSvh, mBias, mY, row, block, lane, self.cfg.partial_dtype == "float32",
+            reduce_rotate_store(mP, mSvh, mBias, mY, row, col0, lane, exists, n, self.cfg.partial_dtype == "float32",
                                 self.cfg.has_bias, self.out_type)

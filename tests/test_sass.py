@@ -132,10 +132,12 @@ def test_missing_nvdisasm_names_the_extra(monkeypatch):
         sass.nvdisasm_path()
 
 
-def test_dense_rotations_move_four_halves_per_access():
-    """The input and output rotations load x, suh and svh and store X and y four fp16 at a time (8 bytes; the
-    2-byte path is only for rows that are misaligned or end inside a lane's four columns), and the output rotation
-    loads svh before its first store (a store may alias a later load, so loads after it would wait)."""
+def test_dense_rotations_move_whole_lane_values_per_access():
+    """The dense input rotation holds 8 values a lane: x and X move 16 bytes at a time (x takes one 2-byte load per
+    column only where a row is misaligned or ends inside a lane's eight columns), suh 8 bytes a load (the vectors
+    are only 8-byte aligned). The output rotation with 8: fp32 partials two 16-byte loads a split, y one 16-byte
+    store. Both load their scales before anything else (a store may alias a later load, so loads after it would
+    wait)."""
     from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
     from exl3tool.ops import launch
 
@@ -144,8 +146,12 @@ def test_dense_rotations_move_four_halves_per_access():
         return [i.opcode for i in k.instructions if i.root in ("LDG", "STG")]
 
     ops = memory_ops(InputRotationConfig("float16"))
-    assert ops.count("LDG.E.64") == 2 and ops.count("STG.E.64") == 1, ops  # x, suh; X
-    ops = memory_ops(OutputRotationConfig("float16"))
+    assert ops[:3] == ["LDG.E.64", "LDG.E.64", "LDG.E.128"] and ops.count("STG.E.128") == 1, ops  # suh, x; X
+    ops = memory_ops(OutputRotationConfig("float16", lane_values=8))
     first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
-    assert "LDG.E.64" in ops[:first_store] and not any(op.startswith("LDG") for op in ops[first_store:]), ops
+    assert ops[:2] == ["LDG.E.64", "LDG.E.64"] and not any(op.startswith("LDG") for op in ops[first_store:]), ops
+    assert ops.count("LDG.E.128.STRONG.GPU") % 2 == 0 and ops.count("STG.E.128") == 1, ops
+    ops = memory_ops(OutputRotationConfig("float16"))  # the planned one: 4 values, 8-byte svh load and y store
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert ops[0] == "LDG.E.64" and not any(op.startswith("LDG") for op in ops[first_store:]), ops
     assert ops.count("STG.E.64") == 1, ops

@@ -147,6 +147,42 @@ def test_output_rotation_matches_reference(seed, out_dtype, bias, width, pitch):
     assert out[:, width:].isnan().all()
 
 
+@pytest.mark.parametrize("width,pitch", [(300, 306), (1100, 1100), (1024, 1024)])
+def test_rotations_give_the_same_bits_with_four_or_eight_values_a_lane(seed, width, pitch):
+    """Eight values a lane (16-byte accesses, a warp per two blocks; 300 and 1100 columns pad to an odd block
+    count) run the butterfly stages in the same order as four: X and y bit-identical, for every X order, dtype,
+    partial dtype and bias; nothing written past the width."""
+    from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
+    from exl3tool.ops import launch
+
+    arch = ops.target_arch("cuda")
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    tensors, lin = device_linear(seed, width, width, 4.0, "mcg", bias=True)
+    x = torch.randn(23, pitch, dtype=dtype, device="cuda")[:, :width]
+    for x_order in ("rows", "fragments", "doubled"):
+        got = []
+        for n in (4, 8):
+            cfg = InputRotationConfig(name[dtype], x_order, lane_values=n)
+            xr = poisoned((23, (1 + (x_order == "doubled")) * lin.info.in_padded), torch.float16)
+            launch.input_rotation_launcher(launch.compiled(cfg, arch), lin.suh, xr)(x)
+            assert not xr.isnan().any(), f"seed={seed} n={n} {x_order}"
+            got.append(xr.view(torch.int16))
+        assert torch.equal(got[0], got[1]), f"seed={seed} {x_order}"
+    for partial_dtype in (torch.float32, torch.float16):
+        partials = torch.randn(3, 23, lin.info.out_padded, device="cuda").to(partial_dtype)
+        for out_dtype in (torch.float16, torch.bfloat16, torch.float32):
+            got = []
+            for n in (4, 8):
+                cfg = OutputRotationConfig(name[out_dtype], name[partial_dtype], True, lane_values=n)
+                y = poisoned((23, pitch), out_dtype)
+                launch.output_rotation_launcher(launch.compiled(cfg, arch), partials, lin.svh, lin.bias)(y[:, :width])
+                assert y[:, width:].isnan().all(), f"seed={seed} n={n}"
+                got.append(y[:, :width].contiguous().view(torch.int16 if out_dtype != torch.float32 else torch.int32))
+            assert torch.equal(got[0], got[1]), f"seed={seed} {partial_dtype} {out_dtype}"
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 7, 9, 16, 17, 33, 128, 1000])
 @pytest.mark.parametrize("path", ["gemm", "gemm-unfused", "dequant"])
 def test_linear_matches_reference_on_random_shapes(seed, tokens, path):
