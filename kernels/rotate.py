@@ -56,13 +56,17 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
-def lane_columns(bx, lane, n: int, n_blocks):
-    """(this lane's first column, whether its 128-block exists) in warp ``bx``'s blocks of a rotation kernel with
-    ``n`` values a lane (``128 // n`` lanes a block). A block past the last (odd block counts, 8 values) repeats
-    the last one's loads and stores nothing. Traced inline."""
+def rotation_thread(n: int, n_blocks):
+    """(row, lane, the lane's first column, whether its 128-block exists) of this thread of a dense rotation kernel
+    (``rotation_grid``) with ``n`` values a lane (``128 // n`` lanes a block). A block past the last (odd block
+    counts, 8 values) repeats the last one's loads and stores nothing. Traced inline."""
+    tid, _, _ = cute.arch.thread_idx()
+    bx, rows, _ = cute.arch.block_idx()
+    lane = tid % 32
     lanes = 128 // n
     block = bx * (32 // lanes) + lane // lanes
-    return cutlass.min(block, n_blocks - 1) * 128 + n * (lane % lanes), block < n_blocks
+    col0 = cutlass.min(block, n_blocks - 1) * 128 + n * (lane % lanes)
+    return rows * ROWS_PER_CTA + tid // 32, lane, col0, block < n_blocks
 
 
 def load_at(addr, dtype: str = "float16", n: int = 4):
@@ -288,12 +292,8 @@ class InputRotation:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor):
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
-        tid, _, _ = cute.arch.thread_idx()
-        bx, rows, _ = cute.arch.block_idx()
-        lane = tid % 32
-        row = rows * ROWS_PER_CTA + tid // 32
         n = self.cfg.lane_values
-        col0, exists = lane_columns(bx, lane, n, mSuh.shape[0] // 128)
+        row, lane, col0, exists = rotation_thread(n, mSuh.shape[0] // 128)
         if row < mX.shape[0]:
             v = hadamard128(scaled_values(mX, mSuh, row, col0, n), lane)
             if exists:
@@ -330,12 +330,8 @@ class OutputRotation:
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor):
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
-        tid, _, _ = cute.arch.thread_idx()
-        bx, rows, _ = cute.arch.block_idx()
-        lane = tid % 32
-        row = rows * ROWS_PER_CTA + tid // 32
         n = self.cfg.lane_values
-        col0, exists = lane_columns(bx, lane, n, mP.shape[2] // 128)
+        row, lane, col0, exists = rotation_thread(n, mP.shape[2] // 128)
         if row < mP.shape[1]:
             reduce_rotate_store(mP, mSvh, mBias, mY, row, col0, lane, exists, n, self.cfg.partial_dtype == "float32",
                                 self.cfg.has_bias, self.out_type)
