@@ -324,8 +324,9 @@ class TrellisGemm(DecodeGemmKernel):
                 for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                     row = tok0 + r * cfg.warps + warp
                     if row < tokens:
-                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block * 128 + 4 * lane, lane, True, 4, True,
-                                            cfg.has_bias, DTYPES[cfg.output])
+                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block * 128 + 4 * lane, lane, exists=True,
+                                            n=4, partial_f32=True, has_bias=cfg.has_bias,
+                                            out_type=DTYPES[cfg.output])
                 if tid == 0:
                     ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 

@@ -134,7 +134,7 @@ class RouteInputRotation:
                         suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
                         store_x_values(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes, col0,
-                                     v, self.cfg.x_order)
+                                       v, self.cfg.x_order)
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
                         mRouteRow[route] = row
