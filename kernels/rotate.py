@@ -1,4 +1,4 @@
-"""The incoherence rotations around the trellis GEMM (format doc section 5), a warp per row's 128-blocks.
+"""The incoherence rotations around the trellis GEMM (format doc section 5): a warp per row and 128-block (or two).
 
 Input:  ``X_rot[r, :] = H128(x[r, :] * suh)`` per 128-column block, fp32 math, stored fp16 for the MMA.
 Output: ``y[r, :] = H128(sum_s P[s, r, :]) * svh + bias``, which also reduces the GEMM's K splits.
