@@ -45,9 +45,10 @@ def _rows(dtype, rows, cols, align: int = 2):
     return make_fake_tensor(dtype, (rows, cols), (cute.sym_int64(), 1), assumed_align=align)
 
 
-def _vector(dtype, align: int = 8):
-    """suh/svh/bias: the rotations load four fp16 at once (8 bytes); TVM FFI checks the alignment."""
-    return fake_tensor(dtype, None, align=align)
+def _vector(dtype, size=None, align: int = 8):
+    """A vector of ``size`` (a symbol shared with another tensor, None for its own): suh/svh/bias, which the
+    rotations load four fp16 at once (8 bytes; TVM FFI checks the alignment), or ``align`` for others."""
+    return fake_tensor(dtype, size, align=align)
 
 
 # --- builders: (config, options) -> compiled function ----------------------------------------------------
@@ -63,9 +64,9 @@ def build_gemm(cfg: GemmConfig, options: str):
     p = fake_tensor(cutlass.Float32, cute.sym_int(), m, out_p)
     epilogue = [None] * 4
     if cfg.output is not None:
-        svh = fake_tensor(cutlass.Float16, out_p, align=8)
-        bias = fake_tensor(cutlass.Float16, out_p, align=8) if cfg.has_bias else None
-        epilogue = [svh, bias, _rows(DTYPES[cfg.output], m, cute.sym_int()), _vector(cutlass.Int32, 4)]
+        svh = _vector(cutlass.Float16, out_p)
+        bias = _vector(cutlass.Float16, out_p) if cfg.has_bias else None
+        epilogue = [svh, bias, _rows(DTYPES[cfg.output], m, cute.sym_int()), _vector(cutlass.Int32, align=4)]
     return cute.compile(TrellisGemm(cfg), x, w, p, 0, *epilogue, suh, fake_stream(), options=options)
 
 
@@ -79,15 +80,15 @@ def build_input_rotation(cfg: InputRotationConfig, options: str):
     m, in_p = cute.sym_int(), cute.sym_int()
     x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
     xr_cols = cute.sym_int() if cfg.x_order == "doubled" else in_p  # doubled: 2*in_p
-    return cute.compile(InputRotation(cfg), x, fake_tensor(cutlass.Float16, in_p, align=8),
+    return cute.compile(InputRotation(cfg), x, _vector(cutlass.Float16, in_p),
                         fake_tensor(cutlass.Float16, m, xr_cols), fake_stream(), options=options)
 
 
 def build_output_rotation(cfg: OutputRotationConfig, options: str):
     m, out_p = cute.sym_int(), cute.sym_int()
     p = fake_tensor(DTYPES[cfg.partial_dtype], cute.sym_int(), m, out_p)
-    svh = fake_tensor(cutlass.Float16, out_p, align=8)
-    bias = fake_tensor(cutlass.Float16, out_p, align=8) if cfg.has_bias else None
+    svh = _vector(cutlass.Float16, out_p)
+    bias = _vector(cutlass.Float16, out_p) if cfg.has_bias else None
     y = _rows(DTYPES[cfg.out_dtype], m, cute.sym_int())
     return cute.compile(OutputRotation(cfg), p, svh, bias, y, fake_stream(), options=options)
 
