@@ -134,8 +134,8 @@ class GemmConfig:
             raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {limit})")
 
     def _check_wgmma(self):
-        if self.token_groups not in (1, 2, 4, 8, 16, 32):
-            raise ValueError("wgmma: token_groups must be 1, 2, 4, 8, 16 or 32 (8 to 256 tokens)")
+        if self.token_groups not in (1, 2, 4, 8, 16, 32, 40):
+            raise ValueError("wgmma: token_groups must be 1, 2, 4, 8, 16, 32 or 40 (8 to 320 tokens)")
         if (self.warps not in (4, 8) or self.warp_cols != 1 or self.split_halves or self.x_order != "rows"
                 or self.input is not None):
             raise ValueError("wgmma: one or two warpgroups (4 or 8 warps) of private decode, X in row order, no "

@@ -246,17 +246,25 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
         words = lane_words(cfg, sW, w_stage, kk, word_idx)
         frags.append(mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts)))
     ptx.wgmma_fence()
-    n = 4 * cfg.token_groups
     high = Int64(ptx.wgmma_descriptor_high())
     desc0 = high | Int64((sX_stage_addr & 0x3FFFF) >> 4)
     for kk in range(cfg.k_tiles_per_stage):
-        # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it. The 14-bit
-        # start address field cannot carry: the stage lies inside the 228 KB of shared memory.
-        desc = desc0 + (((kk // 4) * (cfg.tokens_per_cta * 128) + (kk % 4) * 32) >> 4)
-        d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in range(n)], "float16")
-        for i in range(n):
-            acc[i] = d[i]
+        for g0, groups in wgmma_token_chunks(cfg.token_groups):
+            # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it; the
+            # chunk's first token row 8*g0 is 128 bytes a row further. The 14-bit start address field cannot
+            # carry: the stage lies inside the 228 KB of shared memory.
+            desc = desc0 + (((kk // 4) * (cfg.tokens_per_cta * 128) + 8 * g0 * 128 + (kk % 4) * 32) >> 4)
+            regs = range(4 * g0, 4 * (g0 + groups))
+            d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in regs], "float16")
+            for i, v in zip(regs, d):
+                acc[i] = v
     ptx.wgmma_commit()
+
+
+def wgmma_token_chunks(token_groups: int):
+    """(first token group, token groups) of each warpgroup MMA a k-tile takes: at most 32 groups (N = 256 tokens)
+    an instruction, so a 320-token CTA issues N = 256 and N = 64."""
+    return [(g0, min(32, token_groups - g0)) for g0 in range(0, token_groups, 32)]
 
 
 def lane_words(cfg, sW, w_stage, kk, word_idx):

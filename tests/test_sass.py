@@ -110,6 +110,22 @@ def test_warpgroup_mma_registers_stay_within_the_planners_budget(tg, bits, codeb
     assert k.main_loop.by_opcode["HGMMA"] == 2 * cfg.k_tiles_per_stage  # the loop runs two stages an iteration
 
 
+@pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (6.0, "3inst"), (8.0, "mcg")])
+def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook):
+    """sm_90a's 320-row MoE route blocks (gate/up and down GEMMs): 160 fp32 accumulators a lane beside the decode,
+    within ``WGMMA_REGISTERS[40]``, no spills, two HGMMAs (N = 256 and 64) per decoded k-tile."""
+    from exl3tool.ops import moe, moe_kernels
+    from exl3tool.ops.targets import WGMMA_REGISTERS
+
+    for planes in (2, 1):
+        cfg = moe.gemm_config(bits, codebook, planes, 320, wgmma=True)
+        (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[type(cfg)](cfg, o), "sm_90a"))
+        assert k.registers <= WGMMA_REGISTERS[40] and k.frame_bytes == 0 and k.spill_instructions == 0, (
+            planes, k.registers, k.frame_bytes)
+        hgmma = [i for i in k.instructions if i.root == "HGMMA"]
+        assert len(hgmma) % (2 * cfg.k_tiles_per_stage) == 0 and len(hgmma) > 0, len(hgmma)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_eight_warp_decode_fits_sixteen_warps_per_sm(arch):
     """targets.EIGHT_WARP_CODEBOOKS: the 8-warp, 8-token-group config of those codebooks needs <= 128 registers

@@ -52,13 +52,23 @@ SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per
 # -> 10.4 -> 11.6 -> 13.1, M=1024 34.4 -> 27.8 -> 30.5 -> 34.3, M=4096 136.1 -> 109.3 -> 116.9 -> 123.9 (layer
 # 1344.7 / 1330.5 -> 1314.9 / 1311.4).
 INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
-BLOCK_ROWS = (8, 16, 32, 64, 128, 256)  # route block = GEMM tokens per CTA, by the mean routes per expert
+BLOCK_ROWS = (8, 16, 32, 64, 128, 256, 320)  # route block = GEMM tokens per CTA, by the mean routes per expert
+# The mean routes per expert from which a block above TWICE_THE_MEAN_MAX_ROWS may be taken: its own size, except 320
+# rows (sm_90a's warpgroup MMAs, N = 256 + 64 per k-tile, 250 registers at K=4), from 256. Among those reached,
+# block_rows_for takes the cheapest for the experts' spread (the mean + 3 standard deviations of random routing):
+# blocks per expert x (rows + BLOCK_FIXED_ROWS). At M=4096, E=128 top-8 (mean 256, experts at about 210-300
+# routes) 256-row blocks leave half the experts a second, nearly empty block (192 blocks, 67% of the rows used)
+# where 320-row blocks hold each expert in one (128 blocks, 80%).
+BLOCK_FROM_MEAN = {128: 128, 256: 256, 320: 256}
+# A route block's fixed cost (mostly its decoded weights) in rows of MMA work, fitted to the H200's MoE GEMMs at
+# M=4096: 128-row blocks 1042 us against 256-row ones 943 (eighth and ninth sessions).
+BLOCK_FIXED_ROWS = 128
 # The largest route block of each MMA kind (GemmConfig.mma). 256-row blocks are the dense M=256 warpgroup-MMA
 # layout, whose 222 KB of shared memory only sm_90a has. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y
 # bit-identical, two rounds: M=4096 (mean 256) 1398.9 / 1401.2 -> 1320.9 / 1322.8 us (GEMMs 1042 / 1051 -> 943 /
 # 939); from a mean of 128 (M=2048) slower, 806.8 / 814.6 -> 847.5 / 856.0, so 256 rows only once the mean reaches
 # them.
-LARGEST_BLOCK_ROWS = {"sync": 128, "wgmma": 256}
+LARGEST_BLOCK_ROWS = {"sync": 128, "wgmma": 320}
 TWICE_THE_MEAN_MAX_ROWS = 64  # the largest block chosen by block_rows_for's twice-the-mean rule
 # GEMM layout per route block beyond MoEGemmConfig's defaults (private decode, 4 warps, 8 k-tiles per stage): a
 # 128-row block decodes into shared memory for 8 warps of 4 tile columns each (kernels.mainloop, shared decode).
@@ -238,11 +248,12 @@ def _splits(ctas: int, k_tiles: int, stage: int, sm_count: int) -> int:
 def block_rows_for(mean: float, largest: int = LARGEST_BLOCK_ROWS["sync"]) -> int:
     """Route block for ``mean`` routes per expert: at least twice the mean, so that most experts fill one block
     instead of spilling into a second (H200, E=128 top-8 2048x768 K=4, M=256: 16-row blocks 333.5 us, 32-row
-    299.0), at most 64 rows; 128 (and ``largest``) only once the mean reaches it (M=1024, mean 64: 64-row blocks
-    665.5 us, 128-row 727.8; M=4096, mean 256: 2140 against 1805-1885)."""
-    reached = [b for b in BLOCK_ROWS if TWICE_THE_MEAN_MAX_ROWS < b <= min(mean, largest)]
+    299.0), at most 64 rows; larger ones (up to ``largest``) only from their BLOCK_FROM_MEAN (M=1024, mean 64:
+    64-row blocks 665.5 us, 128-row 727.8; M=4096, mean 256: 2140 against 1805-1885)."""
+    reached = [b for b in BLOCK_ROWS if TWICE_THE_MEAN_MAX_ROWS < b <= largest and BLOCK_FROM_MEAN[b] <= mean]
     if reached:
-        return reached[-1]
+        spread = mean + 3 * math.sqrt(mean)
+        return min(reached, key=lambda b: (math.ceil(spread / b) * (b + BLOCK_FIXED_ROWS), -b))
     return next(b for b in BLOCK_ROWS if b == TWICE_THE_MEAN_MAX_ROWS or 2 * mean <= b)
 
 

@@ -105,6 +105,23 @@ def test_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, token_gr
     assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()[:rows]), f"seed={seed} {plan}"
 
 
+@pytest.mark.parametrize("rows", [320, 300, 384])
+@pytest.mark.parametrize("bits,codebook", [(2.0, "3inst"), (4.0, "mcg"), (3.5, "mul1")])
+def test_320_token_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, rows):
+    """The one-hot check through 320-token CTAs (sm_90a): each k-tile takes two warpgroup MMAs, N = 256 from token
+    row 0 and N = 64 from row 256 (mainloop.wgmma_token_chunks); 300 rows leave the second partly empty, 384 rows
+    make a second token block."""
+    if not ops.has_wgmma(ops.target_arch("cuda")):
+        pytest.skip("warpgroup MMA needs sm_90a")
+    tensors, lin = device_linear(seed, 384, 384, bits, codebook)
+    xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")[:rows]
+    plan = ops.plan_gemm(rows, lin, ops.sm_count("cuda"), 40, mma="wgmma", warps=8, k_tiles_per_stage=4)
+    assert (plan.config.mma, plan.config.tokens_per_cta) == ("wgmma", 320)
+    out = poisoned((plan.splits, rows, lin.info.out_padded), torch.float32)
+    got = ops.trellis_gemm(xr, lin, plan, out=out).sum(0).cpu()
+    assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()[:rows]), f"seed={seed} {plan}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("width,pitch", [(300, 300), (300, 306), (302, 302)])
 def test_input_rotation_matches_reference(seed, dtype, width, pitch):

@@ -302,9 +302,10 @@ def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
                           check)
 
 
-def test_256_row_route_blocks_change_no_bit(synthetic, monkeypatch):
-    """sm_90a's 256-row route blocks (moe.LARGEST_BLOCK_ROWS) multiply each output column by the same k-tiles in the
-    same order as 128-row ones, so y is bit-identical."""
+def test_wide_route_blocks_change_no_bit(synthetic, monkeypatch):
+    """sm_90a's 320-row route blocks (moe.LARGEST_BLOCK_ROWS: two warpgroup MMAs a k-tile, N = 256 and 64) and
+    256-row ones multiply each output column by the same k-tiles in the same order as 128-row ones, so y is
+    bit-identical."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     m = 4096
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
@@ -314,8 +315,10 @@ def test_256_row_route_blocks_change_no_bit(synthetic, monkeypatch):
     def check(plan, largest):
         assert plan.step(m, False).shape.block_rows == largest["wgmma"]
 
+    assert moe_ops.LARGEST_BLOCK_ROWS["wgmma"] == 320
     assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "LARGEST_BLOCK_ROWS",
-                          (moe_ops.LARGEST_BLOCK_ROWS, {"sync": 128, "wgmma": 128}), check)
+                          (moe_ops.LARGEST_BLOCK_ROWS, {"sync": 128, "wgmma": 256}, {"sync": 128, "wgmma": 128}),
+                          check)
 
 
 def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
