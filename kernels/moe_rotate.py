@@ -1,5 +1,6 @@
 """The rotations of the fused MoE layer around its two grouped GEMMs, one warp per 128-column block of a token or
-packed row; lane l holds columns 4l..4l+3 (8-byte loads and stores).
+packed row; lane l holds columns 4l..4l+3 (8-byte loads and stores). At large M the input rotation holds 8 values a
+lane instead (a warp per two blocks, 16-byte x and X accesses; ``RouteInputRotationConfig.lane_values``).
 
 RouteInputRotation  per token t and route slot j whose expert e is in this launch's group (row p): packed row
                     ``r = expert_row[e] + rank[t, j]`` (``moe_route``) gets ``X[0, r] = H128(x[t] * gate_suh[p])``,
@@ -27,7 +28,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import hadamard128, load4, store4, store_x_values
+from .rotate import hadamard128, load4, row_values, store4, store_x_values
 from .trellis import x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
@@ -48,6 +49,11 @@ def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: c
             p = mGroupRow[expert]
             route = mRowRoute[row]
     return route, p
+
+
+def row_suh(mSuh, row, col0, n: int):
+    """``n`` (4 or 8) consecutive fp16 of an expert's suh row as Float32, 8 bytes a load (rows are 8-byte aligned)."""
+    return [v for c in range(0, n, 4) for v in load4(mSuh, row, col0 + c)]
 
 
 def split_parts(mP, row, col0, lane, splits: int):
@@ -81,10 +87,19 @@ class RouteInputRotationConfig:
     routes_per_token: int = 1  # k'
     slot_groups: int = 1  # CTAs (grid z) that share a token's route slots
     x_order: str = "rows"  # X's column order (the gate/up GEMM's)
+    lane_values: int = 4  # a lane's columns of a 128-block: 4, or 8 (a warp per two blocks, 16-byte x and X)
+
+    def __post_init__(self):
+        if self.lane_values not in (4, 8):
+            raise ValueError("lane_values must be 4 or 8")
 
     @property
     def slots_per_warp(self) -> int:
         return -(-self.routes_per_token // self.slot_groups)
+
+    @property
+    def blocks_per_warp(self) -> int:
+        return self.lane_values // 4
 
 
 class RouteInputRotation:
@@ -95,7 +110,8 @@ class RouteInputRotation:
     def __call__(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
                  mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                  mRowRoute: cute.Tensor, mRouteRow: cute.Tensor, stream: cuda.CUstream):
-        grid = (mX.shape[0], (mGateSuh.shape[1] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA, self.cfg.slot_groups)
+        per_cta = BLOCKS_PER_CTA * self.cfg.blocks_per_warp
+        grid = (mX.shape[0], (mGateSuh.shape[1] // 128 + per_cta - 1) // per_cta, self.cfg.slot_groups)
         self.kernel(mX, mGateSuh, mUpSuh, mXr, mIds, mRank, mExpertRow, mGroupRow, mRowRoute, mRouteRow).launch(
             grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
@@ -104,18 +120,22 @@ class RouteInputRotation:
                mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                mRowRoute: cute.Tensor, mRouteRow: cute.Tensor):
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
-        k, per_warp = self.cfg.routes_per_token, self.cfg.slots_per_warp
+        k, per_warp, n = self.cfg.routes_per_token, self.cfg.slots_per_warp, self.cfg.lane_values
         tid, _, _ = cute.arch.thread_idx()
         tok, bx, z = cute.arch.block_idx()
         lane = tid % 32
-        block = bx * BLOCKS_PER_CTA + tid // 32
-        h_p = mGateSuh.shape[1]
-        row_bytes = 2 * x_row_halves(h_p, self.cfg.x_order)  # an X row: x_row_halves(h_p) fp16
-        if block * 128 < h_p:
-            col0 = block * 128 + 4 * lane
-            x = [Float32(0.0)] * 4
-            if col0 < mX.shape[1]:  # hidden is a multiple of 4: a lane's columns are all in or all out
-                x = load4(mX, tok, col0, self.cfg.x_dtype)
+        lanes = 128 // n  # lanes a block
+        n_blocks = mGateSuh.shape[1] // 128
+        first = (bx * BLOCKS_PER_CTA + tid // 32) * self.cfg.blocks_per_warp  # the warp's first block
+        block = first + lane // lanes
+        exists = block < n_blocks  # a block past the last (odd counts, 8 values) loads the last and stores nothing
+        row_bytes = 2 * x_row_halves(n_blocks * 128, self.cfg.x_order)  # an X row: x_row_halves(h_p) fp16
+        if first < n_blocks:
+            col0 = cutlass.min(block, n_blocks - 1) * 128 + n * (lane % lanes)
+            if cutlass.const_expr(n == 4):
+                x = [Float32(0.0)] * 4
+                if col0 < mX.shape[1]:  # hidden is a multiple of 4: a lane's columns are all in or all out
+                    x = load4(mX, tok, col0, self.cfg.x_dtype)
             # Every slot's indices and scales are loaded before the first store: a store may alias a later
             # load for all the compiler knows, so interleaving them would serialise the slots' round trips.
             slots = []
@@ -126,15 +146,18 @@ class RouteInputRotation:
                 p = cutlass.select_(j < k, mGroupRow[e], Int32(-1))
                 row = mExpertRow[e] + mRank[tok * k + jc]
                 pc = cutlass.max(p, 0)
-                slots.append((tok * k + j, p, row, load4(mGateSuh, pc, col0), load4(mUpSuh, pc, col0)))
+                slots.append((tok * k + j, p, row, *(row_suh(m, pc, col0, n) for m in (mGateSuh, mUpSuh))))
+            if cutlass.const_expr(n == 8):
+                x = row_values(mX, tok, col0, n, self.cfg.x_dtype)  # 16 bytes where aligned, else by column
             for jj in cutlass.range_constexpr(per_warp):
                 route, p, row, gate_suh, up_suh = slots[jj]
                 if p >= 0:
                     for plane in cutlass.range_constexpr(2):
                         suh = gate_suh if plane == 0 else up_suh
-                        v = hadamard128([x[i] * suh[i] for i in range(4)], lane)
-                        store_x_values(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes, col0,
-                                       v, self.cfg.x_order)
+                        v = hadamard128([x[i] * suh[i] for i in range(n)], lane)
+                        if exists:
+                            store_x_values(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes,
+                                           col0, v, self.cfg.x_order)
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
                         mRouteRow[route] = row

@@ -178,6 +178,8 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
                                     RouteInputRotationConfig("float16", 8, 8), RouteInputRotationConfig("bfloat16", 9, 9),
                                     RouteInputRotationConfig("float16", 8, 1, "fragments"),
                                     RouteInputRotationConfig("bfloat16", 8, 1, "doubled"),
+                                    RouteInputRotationConfig("float16", 9, 4, "fragments", 8),
+                                    RouteInputRotationConfig("float16", 8, 4, "rows", 8),
                                     IntermediateConfig(1), IntermediateConfig(4), IntermediateConfig(2, "fragments"),
                                     IntermediateConfig(1, "doubled"),
                                     TopKSumConfig(8, "float16", 3),
@@ -188,8 +190,8 @@ def test_rotations_compile(config):
     assert ptx.count("shfl.sync.bfly") >= 5 * 4
     if getattr(config, "x_order", "rows") in ("fragments", "doubled"):  # 4-byte stores: column pairs apart, or
         assert "st.global.u32" in ptx and "st.global.v2.b32" not in ptx  # each value doubled
-    else:  # 8-byte (16-bit values) or 16-byte (fp32 output) vector stores
-        assert "st.global.v2.b32" in ptx or "st.global.v4.f32" in ptx
+    else:  # 8-byte (4 16-bit values), 16-byte (8 of them) or 16-byte (4 fp32 outputs) vector stores
+        assert any(op in ptx for op in ("st.global.v2.b32", "st.global.v4.b32", "st.global.v4.f32"))
     assert "st.global.b16" not in ptx and "st.global.u16" not in ptx
 
 
@@ -220,6 +222,11 @@ def test_rotation_kernels_issue_their_loads_before_they_wait():
     ops = _memory_order(RouteInputRotationConfig("float16", 8))
     first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
     assert not any(op.startswith("LDG") for op in ops[first_store:])
+    # with 8 values a lane (large M): one 16-byte x load, and X one 16-byte store per slot and plane
+    ops = _memory_order(RouteInputRotationConfig("float16", 8, 4, lane_values=8))
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert not any(op.startswith("LDG") for op in ops[first_store:]) and "LDG.E.128" in ops[:first_store]
+    assert ops.count("STG.E.128") == 2 * 2, ops
     ops = _memory_order(TopKSumConfig(8, "float16", 2, blocks_per_cta=4))
     first_shuffle = ops.index("SHFL.BFLY")
     assert ops[:first_shuffle].count("LDG.E.128.STRONG.GPU") >= 2 * 2

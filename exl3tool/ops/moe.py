@@ -45,6 +45,12 @@ from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
+# From this many (token, 128 block) pairs per SM on, the input rotation holds 8 values a lane (16-byte x and X, a
+# warp per two blocks) and splits a token's slots over 4 CTAs (two a warp: the scales of 8 would need 168
+# registers). H200, E=128 top-8 hidden 2048, kernel us, two rounds, bit-identical (4 values and one slot group ->
+# 8 values and 4): M=1024 33.5 / 33.7 -> 29.5 / 29.7, M=4096 127.1 / 128.5 -> 117.4 / 118.0; M=256 11.1 / 11.3
+# -> 11.0 / 11.1 (kept at 4).
+WIDE_ROTATION_PAIRS_PER_SM, WIDE_ROTATION = 64, (8, 4)
 SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA
 # The Intermediate launch takes up to this many 128-column blocks of a packed row per warp (moe_rotate: the row's
 # index lookups once, every block's loads issued before the first butterfly). H200, E=128 top-8 2048x768 K=4 mcg
@@ -423,7 +429,11 @@ class MoEPlan:
         resident = resident_input(tokens, given)
         # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
         # (decode), a warp per slot instead (x re-read from L2).
-        slot_groups = k if tokens * (h_p // 128) < ROTATION_WARPS_PER_SM * self.sm_count else 1
+        pairs = tokens * (h_p // 128)
+        slot_groups = k if pairs < ROTATION_WARPS_PER_SM * self.sm_count else 1
+        lane_values = 4
+        if pairs >= WIDE_ROTATION_PAIRS_PER_SM * self.sm_count:
+            lane_values, slot_groups = WIDE_ROTATION[0], min(WIDE_ROTATION[1], k)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
         # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
@@ -446,7 +456,7 @@ class MoEPlan:
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2)
             rot = None if resident else K.compiled(
-                RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13), arch)
+                RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13, lane_values), arch)
             inter = None if s.fused_intermediate else K.compiled(
                 IntermediateConfig(s.splits13, order2, intermediate_blocks_per_warp(i_p // 128)), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 import exl3tool
 from exl3tool import reference
 from exl3tool.format import MoEBlock
-from exl3tool.kernels.moe_rotate import IntermediateConfig
+from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig
 from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
@@ -338,6 +338,37 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
         assert blocks % most == 0 and inter == [wanted]
 
     assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", (1, 2, 3), check)
+
+
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 1024), ("k3.5-mul1-shared-gated", 64),
+                                    ("two-groups-k3-k5", 40)])
+def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatch):
+    """The route input rotation with 8 values a lane (a warp per two 128-blocks, 16-byte x and X; with hidden 384 a
+    half-warp past the last block stores nothing) and a token's slots split over 1, 2 or 4 CTAs writes the same X
+    as with 4 values a lane, so y is bit-identical; the launched kernel is the planned config."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    k = dmoe.route.routes_per_token
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for lane_values, slot_groups in ((4, 0), (8, 1), (8, 2), (8, 4)):
+        with monkeypatch.context() as patch:
+            # slot_groups 0: the 4-value rule as planned for m; else 8 values from any M
+            patch.setattr(moe_ops, "WIDE_ROTATION_PAIRS_PER_SM", 10**9 if slot_groups == 0 else 0)
+            patch.setattr(moe_ops, "WIDE_ROTATION", (lane_values, slot_groups))
+            plan = plan_moe(dmoe, m)
+            step = plan.step(m, False)
+            if slot_groups:
+                shape = step.shape
+                wgmma = moe_ops.uses_wgmma(shape.block_rows, plan.arch)
+                for g in dmoe.groups:
+                    split13 = moe_ops.group_splits(plan.arch, g, shape.block_rows)[0]
+                    cfg = RouteInputRotationConfig("float16", k, min(slot_groups, k),
+                                                   moe_ops.x_order(shape.block_rows, split13, wgmma), lane_values)
+                    assert moe_ops.K.compiled(cfg, plan.arch) in [
+                        fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
+            poison(plan)
+            outs.append(moe_forward(x, plan).clone())
+    assert not outs[0].isnan().any() and all(torch.equal(y, outs[0]) for y in outs)
 
 
 def test_route_tiles_change_no_bit(synthetic, monkeypatch):
