@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
-from exl3tool.ops.moe import _per_split, intermediate_blocks_per_warp, step_shape
+from exl3tool.ops.moe import _per_split, input_rotation_layout, intermediate_blocks_per_warp, step_shape
 
 
 def pack(ids: np.ndarray, experts: int, block_rows: int):
@@ -121,3 +121,12 @@ def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
     assert (cfg.mma, cfg.warps, cfg.warp_cols, cfg.k_tiles_per_stage) == ("wgmma", 8, 1, 4)
     with pytest.raises(ValueError, match="one-row blocks"):  # the M = 1 prologue stays mma.sync's
         gemm_config(4.0, "mcg", 2, 64, True, input="float16", resident_k_tiles=32)
+
+
+def test_the_input_rotation_splits_slots_at_decode_and_takes_eight_values_at_large_m():
+    """Hidden 2048 (16 blocks), top-8, 132 SMs: a warp per slot while (token, block) warps would leave the SMs
+    idle, one warp for all slots in between, and from 64 pairs per SM 8 values a lane with the slots over 4 CTAs
+    (over k' where k' is smaller)."""
+    layouts = [input_rotation_layout(m, 16, 8, 132) for m in (1, 16, 33, 256, 527, 528, 4096)]
+    assert layouts == [(4, 8), (4, 8), (4, 1), (4, 1), (4, 1), (8, 4), (8, 4)]
+    assert input_rotation_layout(4096, 16, 2, 132) == (8, 2)

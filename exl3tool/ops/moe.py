@@ -264,6 +264,16 @@ def block_rows_for(mean: float, largest: int = LARGEST_BLOCK_ROWS["sync"]) -> in
     return next(b for b in BLOCK_ROWS if b == TWICE_THE_MEAN_MAX_ROWS or 2 * mean <= b)
 
 
+def input_rotation_layout(tokens: int, blocks: int, routes_per_token: int, sm_count: int) -> tuple[int, int]:
+    """(values a lane, slot groups) of the route input rotation for ``tokens`` rows of ``blocks`` 128-column
+    blocks. A warp per (token, block) reads x once for all k' slots; when that leaves most of the GPU idle
+    (decode), a warp per slot instead (x re-read from L2); at large M, WIDE_ROTATION."""
+    pairs = tokens * blocks
+    if pairs >= WIDE_ROTATION_PAIRS_PER_SM * sm_count:
+        return WIDE_ROTATION[0], min(WIDE_ROTATION[1], routes_per_token)
+    return 4, routes_per_token if pairs < ROTATION_WARPS_PER_SM * sm_count else 1
+
+
 def intermediate_blocks_per_warp(blocks: int) -> int:
     """128-column blocks of a packed row one warp of the ``Intermediate`` launch takes: the most that divide the
     intermediate's ``blocks``, up to INTERMEDIATE_MAX_BLOCKS_PER_WARP."""
@@ -428,13 +438,7 @@ class MoEPlan:
                                                                   self.counts, self.expert_row, block_expert,
                                                                   row_route)))
         resident = resident_input(tokens, given)
-        # A warp per (token, 128 block) reads x once for all k' slots; when that leaves most of the GPU idle
-        # (decode), a warp per slot instead (x re-read from L2).
-        pairs = tokens * (h_p // 128)
-        slot_groups = k if pairs < ROTATION_WARPS_PER_SM * self.sm_count else 1
-        lane_values = 4
-        if pairs >= WIDE_ROTATION_PAIRS_PER_SM * self.sm_count:
-            lane_values, slot_groups = WIDE_ROTATION[0], min(WIDE_ROTATION[1], k)
+        lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, self.sm_count)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
         # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
