@@ -70,9 +70,8 @@ def test_block_rows_grow_with_the_routes_per_expert():
     d = moe()
     assert [step_shape(d, m, 132).block_rows for m in (1, 16, 64, 256, 512, 1024, 2048, 4096)] == [
         8, 8, 8, 32, 64, 64, 128, 128]
-    # sm_90a's warpgroup MMAs take 320-row blocks once the mean reaches 256 routes an expert (moe.BLOCK_FROM_MEAN);
-    # SM120 stays at 128
-    # (mean 384: two 256-row blocks an expert cost less than two 320-row ones)
+    # sm_90a's warpgroup MMAs take 320-row blocks once the mean reaches 256 routes an expert (moe.BLOCK_FROM_MEAN),
+    # but at a mean of 384 two 256-row blocks an expert cost less than two 320-row ones; SM120 stays at 128
     assert [step_shape(d, m, 132, "sm_90a").block_rows for m in (1024, 2048, 4095, 4096, 6144, 8192)] == [
         64, 128, 128, 320, 256, 320]
     assert step_shape(d, 8192, 188, "sm_120a").block_rows == 128
