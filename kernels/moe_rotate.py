@@ -28,7 +28,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import hadamard128, load4, row_values, store4, store_x_values
+from .rotate import check_lane_values, hadamard128, load4, load_row, row_values, store4, store_x_values
 from .trellis import x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
@@ -49,11 +49,6 @@ def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: c
             p = mGroupRow[expert]
             route = mRowRoute[row]
     return route, p
-
-
-def row_suh(mSuh, row, col0, n: int):
-    """``n`` (4 or 8) consecutive fp16 of an expert's suh row as Float32, 8 bytes a load (rows are 8-byte aligned)."""
-    return [v for c in range(0, n, 4) for v in load4(mSuh, row, col0 + c)]
 
 
 def split_parts(mP, row, col0, lane, splits: int):
@@ -90,8 +85,7 @@ class RouteInputRotationConfig:
     lane_values: int = 4  # a lane's columns of a 128-block: 4, or 8 (a warp per two blocks, 16-byte x and X)
 
     def __post_init__(self):
-        if self.lane_values not in (4, 8):
-            raise ValueError("lane_values must be 4 or 8")
+        check_lane_values(self.lane_values)
 
     @property
     def slots_per_warp(self) -> int:
@@ -146,7 +140,7 @@ class RouteInputRotation:
                 p = cutlass.select_(j < k, mGroupRow[e], Int32(-1))
                 row = mExpertRow[e] + mRank[tok * k + jc]
                 pc = cutlass.max(p, 0)
-                slots.append((tok * k + j, p, row, *(row_suh(m, pc, col0, n) for m in (mGateSuh, mUpSuh))))
+                slots.append((tok * k + j, p, row, *(load_row(m, pc, col0, n) for m in (mGateSuh, mUpSuh))))
             if cutlass.const_expr(n == 8):
                 x = row_values(mX, tok, col0, n, self.cfg.x_dtype)  # 16 bytes where aligned, else by column
             for jj in cutlass.range_constexpr(per_warp):

@@ -83,6 +83,18 @@ def load4(tensor, row, col, dtype: str = "float16"):
     return load_at(tensor.iterator.toint() + (Int64(row) * tensor.shape[1] + col) * 2, dtype)
 
 
+def load_row(tensor, row, col, n: int = 4, dtype: str = "float16"):
+    """``n`` (4 or 8) consecutive fp16/bf16 ``tensor[row, col ..]`` of a contiguous matrix as Float32, 8 bytes a
+    load (its rows are only 8-byte aligned)."""
+    return [x for c in range(0, n, 4) for x in load4(tensor, row, col + c, dtype)]
+
+
+def check_lane_values(n: int) -> None:
+    """A rotation config's values a lane: 4, or 8 (two 128-blocks a warp)."""
+    if n not in (4, 8):
+        raise ValueError("lane_values must be 4 or 8")
+
+
 def load_vector(tensor, col, n: int = 4):
     """``n`` consecutive fp16 ``tensor[col ..]`` of a vector as Float32, 8 bytes a load (the vector is 8-byte
     aligned: its fake tensor says so, and TVM FFI checks it)."""
@@ -167,8 +179,8 @@ def store_row_values(mY: cute.Tensor, row: Int32, col0: Int32, values, out_type:
 def scaled_values(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, n: int = 4, suh_row=None):
     """``x[row, col0 .. col0+n-1] * suh`` as ``n`` Float32, columns past x's width +0: a lane's share of one
     128-block of an input rotation before its butterflies. ``suh`` is a vector, or row ``suh_row`` of a matrix (an
-    expert's, n = 4), 8-byte aligned. Traced inline."""
-    suh = load_vector(mSuh, col0, n) if suh_row is None else load4(mSuh, suh_row, col0)  # first: x's load may branch
+    expert's), 8-byte aligned. Traced inline."""
+    suh = load_vector(mSuh, col0, n) if suh_row is None else load_row(mSuh, suh_row, col0, n)  # first: x's may branch
     x = row_values(mX, row, col0, n, DTYPE_NAMES[mX.element_type])
     return [cutlass.select_(col0 + i < mX.shape[1], x[i] * suh[i], Float32(0.0)) for i in range(n)]
 
@@ -270,8 +282,7 @@ class InputRotationConfig:
     def __post_init__(self):
         if self.x_order not in X_ORDERS:
             raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
-        if self.lane_values not in (4, 8):
-            raise ValueError("lane_values must be 4 or 8")
+        check_lane_values(self.lane_values)
 
 
 class InputRotation:
@@ -308,8 +319,7 @@ class OutputRotationConfig:
     lane_values: int = OUTPUT_LANE_VALUES
 
     def __post_init__(self):
-        if self.lane_values not in (4, 8):
-            raise ValueError("lane_values must be 4 or 8")
+        check_lane_values(self.lane_values)
 
 
 class OutputRotation:
