@@ -53,14 +53,20 @@ def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: c
 
 def split_parts(mP, row, col0, lane, splits: int):
     """Every split's four consecutive columns ``P[s, row, col0 + 4*lane ..]``, loaded (not yet summed)."""
-    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0 + 4 * lane) * 4
+    return split_values(mP, row, col0 + 4 * lane, splits, 4)
+
+
+def split_values(mP, row, col, splits: int, n: int):
+    """Every split's ``n`` (4 or 8) consecutive columns ``P[s, row, col ..]``, 16 bytes a load (not yet summed)."""
+    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col) * 4
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * 4
-    return [ptx.ld_global_cg_v4_f32(addr + s * split_bytes) for s in range(splits)]
+    return [[v for c in range(0, n, 4) for v in ptx.ld_global_cg_v4_f32(addr + s * split_bytes + 4 * c)]
+            for s in range(splits)]
 
 
 def sum_parts(parts):
-    """``split_parts`` summed in split order."""
-    return [sum_in_order([p[i] for p in parts]) for i in range(4)]
+    """``split_parts`` (or ``split_values``) summed in split order."""
+    return [sum_in_order([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
 def summed(mP, row, col0, lane, splits: int):
@@ -164,6 +170,12 @@ class IntermediateConfig:
     # 128-column blocks of a row per warp (dividing the intermediate's blocks): the row's index lookups are done
     # once, and every block's partials and scales are loaded before the first butterfly.
     blocks_per_warp: int = 1
+    lane_values: int = 4  # a lane's columns of a block: 4, or 8 (two blocks at once: blocks_per_warp even)
+
+    def __post_init__(self):
+        check_lane_values(self.lane_values)
+        if self.blocks_per_warp % (self.lane_values // 4):
+            raise ValueError("8 values a lane take two blocks at a time: blocks_per_warp must be even")
 
 
 class Intermediate:
@@ -190,25 +202,29 @@ class Intermediate:
         route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row, block_rows)
         if route >= 0 and p >= 0:
             intermediate_row(mP, mRot, mX2, row, p, block * self.cfg.blocks_per_warp, lane, inter_true,
-                             self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp)
+                             self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp, self.cfg.lane_values)
 
 
-def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str, blocks: int = 1):
+def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str, blocks: int = 1,
+                     n: int = 4):
     """One warp, packed row ``row`` of group row ``p``, the ``blocks`` 128-column blocks of the intermediate from
-    ``block`` (above): ``X2[row, b] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``. Every
-    block's loads are issued first. The ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail
-    (``moe_gemm``). Traced inline."""
+    ``block`` (above): ``X2[row, b] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``, ``n``
+    values a lane (4; or 8, two blocks at a time, lanes ``16h + l`` in block h: fewer butterfly exchanges, the same
+    bits). Every block's loads are issued first. The ``Intermediate`` kernel's whole work, and the gate/up GEMM's
+    fused tail (``moe_gemm``). Traced inline."""
     inter_p = mRot.shape[1] // 3  # X2 rows hold x_row_halves(inter_p) fp16
+    lanes = 128 // n  # lanes a block
     loaded = []
-    for j in range(blocks):
-        col0 = (block + j) * 128 + 4 * lane
-        scales = [load4(mRot, p, plane * inter_p + col0) for plane in range(3)]  # gate svh, up svh, down suh
-        parts = [split_parts(mP, row, plane * inter_p + (block + j) * 128, lane, splits) for plane in range(2)]
+    for j in range(0, blocks, n // 4):
+        col0 = (block + j + lane // lanes) * 128 + n * (lane % lanes)
+        # gate svh, up svh, down suh
+        scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(3)]
+        parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
         loaded.append((col0, scales, parts))
     for col0, (gate_svh, up_svh, down_suh), parts in loaded:
         gate, up = (hadamard128(sum_parts(part), lane) for part in parts)
-        h = [Float32(0.0)] * 4
-        for i in range(4):
+        h = [Float32(0.0)] * n
+        for i in range(n):
             g = gate[i] * gate_svh[i]
             u = up[i] * up_svh[i]
             hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]

@@ -181,7 +181,8 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
                                     RouteInputRotationConfig("float16", 9, 4, "fragments", 8),
                                     RouteInputRotationConfig("float16", 8, 4, "rows", 8),
                                     IntermediateConfig(1), IntermediateConfig(4), IntermediateConfig(2, "fragments"),
-                                    IntermediateConfig(1, "doubled"),
+                                    IntermediateConfig(1, "doubled"), IntermediateConfig(1, "rows", 2, 8),
+                                    IntermediateConfig(2, "fragments", 4, 8),
                                     TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
                                     TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4)], ids=str)
@@ -204,6 +205,8 @@ def test_configs_refuse_what_the_kernels_cannot_do():
         MoERouteConfig("sigmoid_noaux_tc", 10, 2, n_group=4)
     with pytest.raises(ValueError):
         MoERouteConfig("softmax_topk", 128, 8, token_tile=64)
+    with pytest.raises(ValueError):
+        IntermediateConfig(1, "rows", 3, 8)  # 8 values a lane take two blocks at a time
 
 
 def _memory_order(config, arch="sm_120a"):

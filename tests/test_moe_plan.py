@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
-from exl3tool.ops.moe import _per_split, input_rotation_layout, intermediate_blocks_per_warp, step_shape
+from exl3tool.ops.moe import (
+    _per_split,
+    input_rotation_layout,
+    intermediate_blocks_per_warp,
+    intermediate_config,
+    step_shape,
+)
 
 
 def pack(ids: np.ndarray, experts: int, block_rows: int):
@@ -91,6 +97,9 @@ def test_the_intermediate_takes_two_blocks_a_warp_where_they_divide_the_row():
     """Two 128-column blocks a warp (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) where the intermediate's block count
     is even, one where it is odd: every warp takes the same number."""
     assert [intermediate_blocks_per_warp(b) for b in (1, 2, 3, 6, 7, 32)] == [1, 2, 1, 2, 1, 2]
+    # 8 values a lane (both blocks at once) where the warp takes two
+    assert [(c.blocks_per_warp, c.lane_values) for c in (intermediate_config(1, "rows", b) for b in (3, 6))] == [
+        (1, 4), (2, 8)]
 
 
 def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():

@@ -58,6 +58,11 @@ SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per
 # -> 10.4 -> 11.6 -> 13.1, M=1024 34.4 -> 27.8 -> 30.5 -> 34.3, M=4096 136.1 -> 109.3 -> 116.9 -> 123.9 (layer
 # 1344.7 / 1330.5 -> 1314.9 / 1311.4).
 INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
+# Values a lane of the Intermediate launch where a warp takes an even number of blocks: 8 (two blocks at once: four
+# butterfly exchanges instead of five, sm_90a 96 SHFL instead of 120 for two blocks, 832 SASS instead of 880; the same
+# bits) or 4. H200, E=128 top-8 2048x768 K=4 mcg, Intermediate kernel us, two rounds, y bit-identical (4 -> 8):
+# M=1024 27.8 / 27.8 -> 27.2 / 27.2, M=4096 107.5 / 108.3 -> 105.2 / 105.5; M=256 10.3 / 10.4 -> 10.5 / 10.7.
+INTERMEDIATE_LANE_VALUES = 8
 BLOCK_ROWS = (8, 16, 32, 64, 128, 256, 320)  # route block = GEMM tokens per CTA, by the mean routes per expert
 # The mean routes per expert from which a block above TWICE_THE_MEAN_MAX_ROWS may be taken: its own size, except 320
 # rows (sm_90a's warpgroup MMAs, N = 256 + 64 per k-tile, 250 registers at K=4), from 256. Among those reached,
@@ -280,6 +285,13 @@ def intermediate_blocks_per_warp(blocks: int) -> int:
     return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP + 1) if blocks % d == 0)
 
 
+def intermediate_config(splits: int, x_order: str, blocks: int) -> IntermediateConfig:
+    """The Intermediate launch for an intermediate of ``blocks`` 128-column blocks: blocks a warp as above, and
+    INTERMEDIATE_LANE_VALUES a lane where they are even."""
+    per_warp = intermediate_blocks_per_warp(blocks)
+    return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4)
+
+
 def resident_input(tokens: int, given: bool) -> bool:
     """Does the gate/up GEMM rotate x itself? One token routed by the router: distinct experts, so every route
     block holds one route, in its first row (the caller's topk_ids may repeat an expert)."""
@@ -463,7 +475,7 @@ class MoEPlan:
             rot = None if resident else K.compiled(
                 RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13, lane_values), arch)
             inter = None if s.fused_intermediate else K.compiled(
-                IntermediateConfig(s.splits13, order2, intermediate_blocks_per_warp(i_p // 128)), arch)
+                intermediate_config(s.splits13, order2, i_p // 128), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
