@@ -91,6 +91,10 @@ class GemmConfig:
     # wgmma with ``output``, one K split (the plan's promise): each CTA holds whole 128-column tiles and rotates them
     # from shared memory (``rotate_tile_from_shared``) instead of writing partials and counting in.
     whole_k: bool = False
+    # wgmma only: stages handed over through mbarriers (each copy's completion arrives on its stage's "full"
+    # barrier, each warp releases a stage once its MMAs are done) instead of one CTA barrier per stage, so a warp
+    # waits only for the data it reads and for the release of the stage it refills, a stage after the others.
+    mbarriers: bool = False
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -123,6 +127,8 @@ class GemmConfig:
                                        or self.resident_k_tiles <= 0):
             raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
                              "positive multiple of 8")
+        if self.mbarriers and self.mma != "wgmma":
+            raise ValueError("mbarriers is a pipeline of the warpgroup-MMA main loop")
         if self.whole_k and (self.mma != "wgmma" or self.output is None):
             raise ValueError("whole_k is the warpgroup-MMA GEMM's epilogue with a fused output rotation")
         if self.whole_k and self.x_smem_words < self.tokens_per_cta * TILE_PITCH:
@@ -193,7 +199,8 @@ class GemmConfig:
     @property
     def smem_bytes(self) -> int:
         align = 1024 if self.mma == "wgmma" else 0  # the swizzled X stages start on a 1024-byte boundary
-        return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16 + align
+        bars = 16 * self.stages if self.mbarriers else 0  # a full and an empty mbarrier per stage
+        return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16 + align + bars
 
 
 def fitting_config(config_type=GemmConfig, **fields):

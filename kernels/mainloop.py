@@ -16,7 +16,8 @@ per ``tokens_per_cta`` tokens (up to 128) while a warp holds the accumulators of
 
 With ``cfg.mma == "wgmma"`` (sm_90a) a stage's k-tiles are all decoded first, then multiplied by warpgroup MMAs
 that run while the warps decode the next stage (``warpgroup_decode_mma``); X sits in 128-byte swizzled atoms (the
-MMA's K-major B layout) and one more stage is held back for the MMAs still reading it.
+MMA's K-major B layout) and one more stage is held back for the MMAs still reading it. With ``cfg.mbarriers`` the
+stages are handed over through mbarriers instead of a CTA barrier per stage (``mbarrier_wgmma_loop``).
 
 With ``cfg.input`` (M = 1) X is not staged: the caller's ``prologue(sX)`` writes the CTA's whole K range of the
 one token into shared memory (the dense GEMM rotates x there) while the first weight stages load.
@@ -195,6 +196,9 @@ def decode_mma_loop(
     copies = stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles,
                           tid)
     wgmma = cfg.mma == "wgmma"
+    if cutlass.const_expr(wgmma and cfg.mbarriers):
+        mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid)
+        return
     # Stages loaded ahead: all but the one being decoded, and with wgmma also the one its MMAs still read.
     ahead_stages = cfg.stages - 2 if wgmma else cfg.stages - 1
     for st in cutlass.range_constexpr(ahead_stages):
@@ -234,6 +238,52 @@ def decode_mma_loop(
             private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane)
     if cutlass.const_expr(wgmma):
         ptx.wgmma_wait(0)  # acc is final
+
+
+@cute.jit
+def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor, sW: cute.Tensor,
+                        sX_addr: Int32, bars, copies, n_chunks: Int32, warp: Int32, lane: Int32, tid: Int32):
+    """The warpgroup-MMA main loop with mbarrier hand-offs (``GemmConfig.mbarriers``). Stage s has a ``full``
+    barrier (every thread's copies of its chunk arrive on it as they land: ``cp.async.mbarrier.arrive.noinc``) and
+    an ``empty`` one (each warp arrives once its MMAs of the stage's chunk are done). Chunk c waits for its full
+    barrier (then the async-proxy fence, as after the CTA barrier), is decoded and multiplied; then the warp
+    releases chunk c-1 and refills the stage of chunk c-2 (released a chunk earlier by every warp) with chunk
+    c + stages - 2: as many chunks in flight as the CTA-barrier loop, but no warp waits for another's decode."""
+    stages = cfg.stages
+    full, empty = bars, bars + stages
+    if tid == 0:
+        for i in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(full + i, 32 * cfg.warps)
+            cute.arch.mbarrier_init(empty + i, cfg.warps)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    for st in cutlass.range_constexpr(stages - 2):
+        if st < n_chunks:
+            issue_stage(copies, st, st)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
+    word_idx, shift = lane_word_indices(plan, lane)
+    consts = codebook_constants(cfg.codebook, ptx)
+    w_lane = warp * plan.words_per_tile
+    for chunk in cutlass.range(n_chunks, unroll=CHUNK_UNROLL):
+        stage = chunk % stages
+        cute.arch.mbarrier_wait(full + stage, (chunk // stages) % 2)
+        ptx.fence_proxy_async_shared()  # the copies' data, visible to the tensor cores' reads
+        warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * stage * cfg.x_stage_words,
+                             stage * cfg.w_stage_words + w_lane, word_idx, shift, consts)
+        ptx.wgmma_wait(1)  # this warpgroup's MMAs of chunk - 1 are done
+        if chunk > 0:
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + (chunk - 1) % stages)
+        refill = chunk + stages - 2  # into the stage of chunk - 2
+        if refill < n_chunks:
+            s2 = refill % stages
+            if chunk >= 2:
+                cute.arch.mbarrier_wait(empty + s2, ((chunk - 2) // stages) % 2)
+            issue_stage(copies, refill, s2)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + s2)
+    ptx.wgmma_wait(0)  # acc is final
 
 
 def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts):
@@ -367,6 +417,8 @@ def allocate_smem(cfg):
     if cutlass.const_expr(cfg.mma == "wgmma"):  # the swizzled stages first, on a 1024-byte boundary
         sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 1024)
         sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
+        if cutlass.const_expr(cfg.mbarriers):  # in sDec's place: the stages' full and empty mbarriers
+            return smem, sW, sX, smem.allocate_array(Int64, 2 * cfg.stages, byte_alignment=8)
         return smem, sW, sX, sW
     sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
     sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 16)

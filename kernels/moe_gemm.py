@@ -75,6 +75,7 @@ class MoEGemmConfig:
     x_order: str = "rows"
     x2_order: str = "rows"
     mma: str = "sync"  # GemmConfig.mma: "wgmma" (sm_90a) for the large route blocks
+    mbarriers: bool = False  # GemmConfig.mbarriers
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -99,7 +100,8 @@ class MoEGemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
                           input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves,
-                          x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma)
+                          x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma,
+                          mbarriers=self.mbarriers)
 
     @property
     def resident_order(self) -> str:

@@ -138,3 +138,16 @@ def test_the_input_rotation_splits_slots_at_decode_and_takes_eight_values_at_lar
     layouts = [input_rotation_layout(m, 16, 8, 132) for m in (1, 16, 33, 256, 527, 528, 4096)]
     assert layouts == [(4, 8), (4, 8), (4, 1), (4, 1), (4, 1), (8, 4), (8, 4)]
     assert input_rotation_layout(4096, 16, 2, 132) == (8, 2)
+
+
+def test_only_the_largest_wgmma_route_blocks_pass_stages_through_mbarriers():
+    """moe.MBARRIER_MIN_ROWS: 320-row warpgroup-MMA blocks use the mbarrier main loop (faster there), smaller ones
+    and mma.sync the CTA barrier; GemmConfig refuses mbarriers outside the warpgroup-MMA loop."""
+    from exl3tool.kernels.gemm import GemmConfig
+    from exl3tool.ops.moe import gemm_config
+
+    assert [gemm_config(4.0, "mcg", 2, rows, wgmma=True).mbarriers for rows in (64, 128, 256, 320)] == [
+        False, False, False, True]
+    assert not gemm_config(4.0, "mcg", 1, 128).mbarriers
+    with pytest.raises(ValueError, match="warpgroup-MMA"):
+        GemmConfig(4.0, "mcg", token_groups=8, mbarriers=True)

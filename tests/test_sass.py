@@ -113,7 +113,8 @@ def test_warpgroup_mma_registers_stay_within_the_planners_budget(tg, bits, codeb
 @pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (6.0, "3inst"), (8.0, "mcg")])
 def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook):
     """sm_90a's 320-row MoE route blocks (gate/up and down GEMMs): 160 fp32 accumulators a lane beside the decode,
-    within ``WGMMA_REGISTERS[40]``, no spills, two HGMMAs (N = 256 and 64) per decoded k-tile."""
+    within ``WGMMA_REGISTERS[40]``, no spills, two HGMMAs (N = 256 and 64) per decoded k-tile. Their stages pass
+    through mbarriers (moe.MBARRIER_MIN_ROWS): the one CTA barrier left is the mbarriers' initialisation."""
     from exl3tool.ops import moe, moe_kernels
     from exl3tool.ops.targets import WGMMA_REGISTERS
 
@@ -124,6 +125,8 @@ def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook)
             planes, k.registers, k.frame_bytes)
         hgmma = [i for i in k.instructions if i.root == "HGMMA"]
         assert len(hgmma) % (2 * cfg.k_tiles_per_stage) == 0 and len(hgmma) > 0, len(hgmma)
+        assert cfg.mbarriers and [i.root for i in k.instructions].count("BAR") == 1
+        assert any(i.root == "SYNCS" for i in k.instructions)  # the mbarrier arrivals and waits
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])

@@ -100,6 +100,13 @@ FRAGMENT_ORDER_ROWS = (32, 64)
 # -> 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost, 254.5
 # -> 271.0 (its half-empty blocks still pay for every decoded weight).
 MOE_WGMMA_MIN_ROWS = 64
+# Route blocks from this many rows hand their wgmma stages over through mbarriers instead of a CTA barrier per stage
+# (GemmConfig.mbarriers: no warp waits for another's decode; a stage is refilled a chunk after all released it).
+# Same MMAs in the same order: y bit-identical. H200, E=128 top-8 2048x768 K=4 mcg, both GEMMs (profiler us), two
+# rounds (CTA barrier -> mbarriers): M=4096 (320-row blocks) 834.6 / 836.3 / 835.4 / 840.1 -> 786.3 / 789.6 / 789.2 /
+# 791.3; slower with smaller blocks, M=2048 (128 rows) 598.0 / 598.5 -> 706.0 / 706.2, M=1024 (64 rows) 373.4 / 374.2
+# -> 434.9 / 444.9, and the dense wgmma GEMM at M=64-256 by 4-20%: their shorter stages leave less to overlap.
+MBARRIER_MIN_ROWS = 320
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
 # overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
@@ -332,6 +339,7 @@ def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False) -> dict:
 def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma: bool = False,
                 **fields) -> MoEGemmConfig:
     fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma))
+    fields.setdefault("mbarriers", wgmma and block_rows >= MBARRIER_MIN_ROWS)
     return fitting_config(MoEGemmConfig, bits=bits, codebook=codebook, planes=planes, token_groups=block_rows // 8,
                           **gemm_layout(block_rows, codebook, wgmma), **fields)
 

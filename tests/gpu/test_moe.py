@@ -321,6 +321,36 @@ def test_wide_route_blocks_change_no_bit(synthetic, monkeypatch):
                           check)
 
 
+def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
+    """320-row route blocks hand their warpgroup-MMA stages over through mbarriers (moe.MBARRIER_MIN_ROWS,
+    GemmConfig.mbarriers) instead of a CTA barrier per stage: the same MMAs in the same order, so y is bit-identical
+    to the CTA-barrier loop's, at 320-row blocks (M=4096) and, forced, at 64-row ones (M=1024)."""
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
+        pytest.skip("mbarrier stages are a pipeline of the warpgroup-MMA loop (sm_90a)")
+    made, real = [], moe_ops.gemm_config
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    for m, rows in ((4096, 320), (1024, 64)):
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for min_rows in (rows, 1 << 30):
+            with monkeypatch.context() as patch:
+                patch.setattr(moe_ops, "MBARRIER_MIN_ROWS", min_rows)
+                patch.setattr(moe_ops, "gemm_config", recording)
+                made.clear()
+                plan = plan_moe(dmoe, m)
+                poison(plan)
+                outs.append(moe_forward(x, plan).clone())
+                assert plan.step(m, False).shape.block_rows == rows
+                wgmma = [c for c in made if c.mma == "wgmma"]
+                assert wgmma and all(c.mbarriers == (min_rows == rows) for c in wgmma)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), m
+
+
 def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
     """The Intermediate launch computes each 128-column block of a row the same way however many blocks a warp
     takes (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) and however many values a lane holds (moe.INTERMEDIATE_LANE_VALUES:
