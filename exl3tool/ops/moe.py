@@ -104,8 +104,9 @@ MOE_WGMMA_MIN_ROWS = 64
 # (GemmConfig.mbarriers: no warp waits for another's decode; a stage is refilled a chunk after all released it).
 # Same MMAs in the same order: y bit-identical. H200, E=128 top-8 2048x768 K=4 mcg, both GEMMs (profiler us), two
 # rounds (CTA barrier -> mbarriers): M=4096 (320-row blocks) 834.6 / 836.3 / 835.4 / 840.1 -> 786.3 / 789.6 / 789.2 /
-# 791.3; slower with smaller blocks, M=2048 (128 rows) 598.0 / 598.5 -> 706.0 / 706.2, M=1024 (64 rows) 373.4 / 374.2
-# -> 434.9 / 444.9, and the dense wgmma GEMM at M=64-256 by 4-20%: their shorter stages leave less to overlap.
+# 791.3; slower with smaller blocks, M=6144 (256 rows) 1188.6 / 1200.2 -> 1303.8 / 1312.7, M=2048 (128 rows) 598.0 /
+# 598.5 -> 706.0 / 706.2, M=1024 (64 rows) 373.4 / 374.2 -> 434.9 / 444.9, and in the dense wgmma GEMM at M=64-256
+# by 4-20%.
 MBARRIER_MIN_ROWS = 320
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
