@@ -91,9 +91,10 @@ class GemmConfig:
     # wgmma with ``output``, one K split (the plan's promise): each CTA holds whole 128-column tiles and rotates them
     # from shared memory (``rotate_tile_from_shared``) instead of writing partials and counting in.
     whole_k: bool = False
-    # wgmma only: stages handed over through mbarriers (each copy's completion arrives on its stage's "full"
-    # barrier, each warp releases a stage once its MMAs are done) instead of one CTA barrier per stage, so a warp
-    # waits only for the data it reads and for the release of the stage it refills, a stage after the others.
+    # wgmma only: stages handed over through mbarriers (``mainloop.mbarrier_wgmma_loop``: each copy's completion
+    # arrives on its stage's "full" barrier, each warp releases a stage once its MMAs are done) instead of one CTA
+    # barrier per stage, so a warp waits only for the data it reads and for the stage it refills, which every warp
+    # released a chunk before.
     mbarriers: bool = False
 
     def __post_init__(self):
