@@ -28,7 +28,16 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .rotate import check_lane_values, hadamard128, load4, load_row, row_values, store4, store_x_values
+from .rotate import (
+    check_lane_values,
+    hadamard128,
+    lane_column,
+    load4,
+    load_row,
+    row_values,
+    store4,
+    store_x_values,
+)
 from .trellis import x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
@@ -131,7 +140,7 @@ class RouteInputRotation:
         exists = block < n_blocks  # a block past the last (odd counts, 8 values) loads the last and stores nothing
         row_bytes = 2 * x_row_halves(n_blocks * 128, self.cfg.x_order)  # an X row: x_row_halves(h_p) fp16
         if first < n_blocks:
-            col0 = cutlass.min(block, n_blocks - 1) * 128 + n * (lane % lanes)
+            col0 = lane_column(cutlass.min(block, n_blocks - 1), lane, n)
             if cutlass.const_expr(n == 4):
                 x = [Float32(0.0)] * 4
                 if col0 < mX.shape[1]:  # hidden is a multiple of 4: a lane's columns are all in or all out
@@ -216,7 +225,7 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
     lanes = 128 // n  # lanes a block
     loaded = []
     for j in range(0, blocks, n // 4):
-        col0 = (block + j + lane // lanes) * 128 + n * (lane % lanes)
+        col0 = lane_column(block + j + lane // lanes, lane, n)
         # gate svh, up svh, down suh
         scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(3)]
         parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]

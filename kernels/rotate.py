@@ -56,6 +56,12 @@ def hadamard128(v, lane):
     return [x * Float32(INV_SQRT_128) for x in v]
 
 
+def lane_column(block, lane, n: int):
+    """First of the ``n`` (4 or 8) consecutive columns a lane holds in 128-block ``block``: ``128 // n`` lanes a
+    block, so lane l is lane ``l % (128 // n)`` of the warp's block ``l // (128 // n)``."""
+    return block * 128 + n * (lane % (128 // n))
+
+
 def rotation_thread(n: int, n_blocks):
     """(row, lane, the lane's first column, whether its 128-block exists) of this thread of a dense rotation kernel
     (``rotation_grid``) with ``n`` values a lane (``128 // n`` lanes a block). A block past the last (odd block
@@ -65,7 +71,7 @@ def rotation_thread(n: int, n_blocks):
     lane = tid % 32
     lanes = 128 // n
     block = bx * (32 // lanes) + lane // lanes
-    col0 = cutlass.min(block, n_blocks - 1) * 128 + n * (lane % lanes)
+    col0 = lane_column(cutlass.min(block, n_blocks - 1), lane, n)
     return rows * ROWS_PER_CTA + tid // 32, lane, col0, block < n_blocks
 
 
