@@ -246,12 +246,13 @@ def disassemble(cubin: bytes) -> dict[str, tuple[tuple[Instruction, ...], dict[s
 
 
 def main_loop(instructions, labels, branches) -> Loop | None:
-    """The innermost loop (backward branch with no loop inside) holding the most tensor-core instructions."""
+    """The innermost loop holding tensor-core instructions (a backward branch with no such loop inside: an mbarrier
+    wait's retry loop inside it does not count) with the most of them."""
     spans = [(labels[t], a) for a, t in branches if t in labels and labels[t] <= a]
+    loops = {s: Loop(tuple(i for i in instructions if s[0] <= i.address <= s[1])) for s in spans}
+    spans = [s for s in spans if loops[s].mmas]
     innermost = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    loops = [Loop(tuple(i for i in instructions if lo <= i.address <= hi)) for lo, hi in innermost]
-    loops = [loop for loop in loops if loop.mmas]
-    return max(loops, key=lambda loop: loop.mmas, default=None)
+    return max((loops[s] for s in innermost), key=lambda loop: loop.mmas, default=None)
 
 
 def analyze_cubin(

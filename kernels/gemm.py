@@ -71,8 +71,9 @@ class GemmConfig:
     has_bias: bool = False
     split_halves: bool = False  # mcg/3inst: two MMAs per tile add each weight's halves (trellis.split_halves_fragments)
     # X's column order (trellis.X_ORDERS): "rows" (x as is), "fragments" (trellis.x_fragment_slot: each lane's B
-    # words of a k-tile pair side by side, one 16-byte shared load instead of four 32-bit ones) or, with split
-    # halves, "doubled" (trellis.x_doubled_word: the B words already duplicated, one 16-byte load per k-tile).
+    # words of a k-tile pair side by side, one 16-byte shared load instead of four 32-bit ones), with split
+    # halves "doubled" (trellis.x_doubled_word: the B words already duplicated, one 16-byte load per k-tile), or with
+    # wgmma "stages" (trellis.x_stages_index: a route block's stage is one bulk copy per 64 columns, mainloop).
     x_order: str = "rows"
     # Tile columns each warp multiplies: 1 = its own decoded tile, by all the CTA's tokens (private decode); 2, 4
     # or 8 = decoded tiles shared through shared memory, each warp taking warp_cols columns and token_groups /
@@ -123,6 +124,8 @@ class GemmConfig:
             raise ValueError("x_order='fragments' reads k-tile pairs (k_tiles_per_stage >= 2), without split_halves")
         if self.x_order == "doubled" and not self.split_halves:
             raise ValueError("x_order='doubled' holds the B words of split_halves")
+        if self.x_order == "stages" and self.mma != "wgmma":
+            raise ValueError("x_order='stages' is the warpgroup-MMA GEMM's shared-memory stage layout")
         if self.input is not None and (self.input not in ("float16", "bfloat16") or self.token_groups != 1
                                        or self.k_tiles_per_stage != 8 or self.resident_k_tiles % 8
                                        or self.resident_k_tiles <= 0):
@@ -143,10 +146,10 @@ class GemmConfig:
     def _check_wgmma(self):
         if self.token_groups not in (1, 2, 4, 8, 16, 32, 40):
             raise ValueError("wgmma: token_groups must be 1, 2, 4, 8, 16, 32 or 40 (8 to 320 tokens)")
-        if (self.warps not in (4, 8) or self.warp_cols != 1 or self.split_halves or self.x_order != "rows"
-                or self.input is not None):
-            raise ValueError("wgmma: one or two warpgroups (4 or 8 warps) of private decode, X in row order, no "
-                             "split_halves or input")
+        if (self.warps not in (4, 8) or self.warp_cols != 1 or self.split_halves
+                or self.x_order not in ("rows", "stages") or self.input is not None):
+            raise ValueError("wgmma: one or two warpgroups (4 or 8 warps) of private decode, X in row or stages "
+                             "order, no split_halves or input")
         if self.k_tiles_per_stage not in (4, 8) or self.stages < 3:
             raise ValueError("wgmma: 4 or 8 k-tiles per stage (whole 128-byte swizzle atoms) and at least 3 "
                              "stages (one stage is read by the MMAs in flight)")
@@ -200,7 +203,8 @@ class GemmConfig:
     @property
     def smem_bytes(self) -> int:
         align = 1024 if self.mma == "wgmma" else 0  # the swizzled X stages start on a 1024-byte boundary
-        bars = 16 * self.stages if self.mbarriers else 0  # a full and an empty mbarrier per stage
+        # a full and an empty mbarrier per stage (X in "stages" order: its bulk copies complete on the full one)
+        bars = 16 * self.stages if self.mbarriers or self.x_order == "stages" else 0
         return 4 * (self.stages * self.w_stage_words + self.x_smem_words + self.decoded_words) + 16 + align + bars
 
 
@@ -232,8 +236,8 @@ class TrellisGemm(DecodeGemmKernel):
         mSuh,
         stream: cuda.CUstream,
     ):
-        """mX int32 ``(M, in_p/2)`` (doubled order: ``(M, in_p)``), mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32
-        ``(splits, M, out_p)``.
+        """mX int32 ``(M, in_p/2)`` (doubled order: ``(M, in_p)``; stages order: ``(R, in_p/2)``, R = M rounded up to
+        whole token blocks, ``linear.x_rows``), mW int32 ``(in_p/16, out_p/16, 8K)``, mP fp32 ``(splits, M, out_p)``.
 
         The fused epilogue (``output`` set) also takes mSvh/mBias fp16 ``(out_p,)`` (mBias None without a bias),
         mY ``(M, out_true)`` and mCounter int32 ``(ceil(M/tokens_per_cta) * out_p/128,)``; without it all four
@@ -274,7 +278,7 @@ class TrellisGemm(DecodeGemmKernel):
         warp = tid // 32
         lane = tid % 32
 
-        tokens = mX.shape[0]
+        tokens = mP.shape[1]  # X's rows may be padded to whole token blocks ("stages" order)
         n_k_tiles = mW.shape[0]
         k_begin = split * k_tiles_per_split
         k_end = cutlass.min(k_begin + k_tiles_per_split, n_k_tiles)
@@ -293,7 +297,7 @@ class TrellisGemm(DecodeGemmKernel):
                 rotate_into_shared(mX, mSuh, sX, k_begin, n_chunks * cfg.k_tiles_per_stage // 8,
                                    -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.x_order, warp, cfg.warps, lane)
         decode_mma_loop(cfg, plan, acc, sW, sX, sDec, mW.iterator.toint(), mX.iterator.toint(), mX.shape[1],
-                        mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks, prologue)
+                        mW.shape[1], col_tile0, tok0, tokens, k_begin, n_chunks, prologue, mX.shape[0])
         if cutlass.const_expr(cfg.whole_k):
             # the CTA holds its whole 128-column tile, so it rotates it from shared memory
             rotate_tile_from_shared(cfg, acc, sX.iterator.toint(), mSvh, mBias, mY, col_tile0 // 8, tok0, tokens,

@@ -16,8 +16,11 @@ per ``tokens_per_cta`` tokens (up to 128) while a warp holds the accumulators of
 
 With ``cfg.mma == "wgmma"`` (sm_90a) a stage's k-tiles are all decoded first, then multiplied by warpgroup MMAs
 that run while the warps decode the next stage (``warpgroup_decode_mma``); X sits in 128-byte swizzled atoms (the
-MMA's K-major B layout) and one more stage is held back for the MMAs still reading it. With ``cfg.mbarriers`` the
-stages are handed over through mbarriers instead of a CTA barrier per stage (``mbarrier_wgmma_loop``).
+MMA's K-major B layout) and one more stage is held back for the MMAs still reading it. With X in "stages" order
+(``trellis.x_stages_index``: already in that layout in global memory) one thread brings a stage's X with one bulk
+copy per 64 columns that completes on the stage's "full" mbarrier (``BulkCopy``) instead of every thread's
+cp.async pieces. With ``cfg.mbarriers`` the stages are handed over through mbarriers instead of a CTA barrier per
+stage (``mbarrier_wgmma_loop``).
 
 With ``cfg.input`` (M = 1) X is not staged: the caller's ``prologue(sX)`` writes the CTA's whole K range of the
 one token into shared memory (the dense GEMM rotates x there) while the first weight stages load.
@@ -36,6 +39,7 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .trellis import (
+    STAGE_K,
     TrellisPlan,
     codebook_constants,
     decode_lane,
@@ -61,7 +65,8 @@ class DecodeGemmKernel:
         self.threads = 32 * config.warps
 
 
-def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles, tid):
+def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles, tid,
+                 x_rows=None, full=None):
     """This thread's cp.async copies of a stage, worked out once before the main loop: ``(shared byte address in
     stage 0, shared bytes per stage, global byte address of chunk 0, global bytes per chunk, source bytes)``
     each (for X in the wgmma layout, one ``RowCopies``). A stage is ``k_tiles_per_stage`` rows of the CTA's
@@ -88,6 +93,13 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
 
     if cutlass.const_expr(cfg.input is not None):
         return copies  # X is resident (the prologue rotated it into shared memory)
+    if cutlass.const_expr(cfg.x_order == "stages"):
+        pieces = cfg.k_tiles_per_stage * 16 // STAGE_K
+        chunk_bytes = Int64(x_rows) * (2 * STAGE_K)  # one 64-column chunk of every row
+        copies.append(BulkCopy(sX_addr, 4 * cfg.x_stage_words, pieces, 2 * STAGE_K * cfg.tokens_per_cta,
+                               gX_addr + (Int64(k_begin * 16 // STAGE_K) * x_rows + tok0) * (2 * STAGE_K),
+                               chunk_bytes, full, tid))
+        return copies
     row_chunks = cfg.x_k_tile_words * cfg.k_tiles_per_stage // 4
     total = cfg.tokens_per_cta * row_chunks
     if cutlass.const_expr(cfg.mma == "wgmma" and total % threads == 0 and (threads // row_chunks) % 8 == 0):
@@ -116,6 +128,20 @@ def swizzled_x_word(cfg, row, part):
     128-byte swizzle atoms of 64 k each, one after the other, piece p of a row at p ^ (row % 8)."""
     atom, piece = part // 8, part % 8
     return (atom * cfg.tokens_per_cta + row) * 32 + ptx.wgmma_swizzled_piece(row, piece) * 4
+
+
+class BulkCopy(NamedTuple):
+    """A stage's X in "stages" order: ``pieces`` 64-column chunks of the CTA's rows, each ``size`` contiguous bytes
+    in global memory (``chunk_bytes`` apart) and in the stage (one after the other), copied by thread 0 with one
+    bulk copy each, completing on the stage's ``full`` mbarrier."""
+    s_addr: object  # Int32: stage 0
+    s_stride: int  # shared bytes per stage
+    pieces: int
+    size: int
+    g_addr: object  # Int64: chunk 0 of the split, the CTA's first row
+    chunk_bytes: object  # Int64: global bytes between 64-column chunks
+    full: object  # the stages' full mbarriers (a shared pointer)
+    tid: object
 
 
 class RowCopies(NamedTuple):
@@ -151,9 +177,14 @@ def row_copies(cfg, threads, sX_addr, gX_addr, k_begin, tok0, tokens, x_row_word
 
 
 def issue_stage(copies, chunk, stage):
-    """The cp.async copies of chunk ``chunk`` into stage buffer ``stage`` (``stage_copies``). Traced inline."""
+    """The copies of chunk ``chunk`` into stage buffer ``stage`` (``stage_copies``). Traced inline."""
     for c in copies:
-        if isinstance(c, RowCopies):
+        if isinstance(c, BulkCopy):
+            first = Int64(chunk * c.pieces)
+            ptx.bulk_stage_copy(c.tid, (c.full + stage).toint(),
+                                [(c.s_addr + stage * c.s_stride + i * c.size, c.g_addr + (first + i) * c.chunk_bytes)
+                                 for i in range(c.pieces)], c.size)
+        elif isinstance(c, RowCopies):
             s_addr = c.s_addr + stage * c.s_stride
             g_addr = c.g_addr + Int64(chunk) * c.g_stride
             for i in range(c.count):
@@ -182,10 +213,12 @@ def decode_mma_loop(
     k_begin: Int32,
     n_chunks: Int32,
     prologue: cutlass.Constexpr = None,
+    x_rows: Int32 = 0,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
-    which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``."""
+    which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``.
+    In "stages" order ``x_rows`` is X's row count (a whole number of route blocks: no bound on ``tokens``)."""
     threads = 32 * cfg.warps
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -193,12 +226,19 @@ def decode_mma_loop(
     sX_addr = sX.iterator.toint()
     addrs = (sW.iterator.toint(), sX_addr, gW_addr, gX_addr)
 
+    bulk = cfg.x_order == "stages"
     copies = stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles,
-                          tid)
+                          tid, x_rows, sDec if bulk else None)
     wgmma = cfg.mma == "wgmma"
     if cutlass.const_expr(wgmma and cfg.mbarriers):
         mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid)
         return
+    if cutlass.const_expr(bulk):  # the stages' full mbarriers: thread 0's arrival and its bulk copies' bytes
+        if tid == 0:
+            for i in cutlass.range_constexpr(cfg.stages):
+                cute.arch.mbarrier_init(sDec + i, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
     # Stages loaded ahead: all but the one being decoded, and with wgmma also the one its MMAs still read.
     ahead_stages = cfg.stages - 2 if wgmma else cfg.stages - 1
     for st in cutlass.range_constexpr(ahead_stages):
@@ -216,6 +256,8 @@ def decode_mma_loop(
         if cutlass.const_expr(wgmma):
             ptx.wgmma_wait(1)  # the MMAs of chunk - 2 are done: its stage may be refilled after the barrier
         cute.arch.cp_async_wait_group(ahead_stages - 1)
+        if cutlass.const_expr(bulk):
+            cute.arch.mbarrier_wait(sDec + chunk % cfg.stages, (chunk // cfg.stages) % 2)  # the stage's X landed
         if cutlass.const_expr(wgmma):
             ptx.fence_proxy_async_shared()  # this thread's cp.async data, visible to the tensor cores' reads
         cute.arch.sync_threads()
@@ -253,7 +295,8 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
     full, empty = bars, bars + stages
     if tid == 0:
         for i in cutlass.range_constexpr(stages):
-            cute.arch.mbarrier_init(full + i, 32 * cfg.warps)
+            # every thread's cp.async arrival, and with X in "stages" order thread 0's bulk-copy arrival
+            cute.arch.mbarrier_init(full + i, 32 * cfg.warps + (1 if cfg.x_order == "stages" else 0))
             cute.arch.mbarrier_init(empty + i, cfg.warps)
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -417,8 +460,8 @@ def allocate_smem(cfg):
     if cutlass.const_expr(cfg.mma == "wgmma"):  # the swizzled stages first, on a 1024-byte boundary
         sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 1024)
         sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
-        if cutlass.const_expr(cfg.mbarriers):  # in sDec's place: the stages' full and empty mbarriers
-            return smem, sW, sX, smem.allocate_array(Int64, 2 * cfg.stages, byte_alignment=8)
+        if cutlass.const_expr(cfg.mbarriers or cfg.x_order == "stages"):  # in sDec's place: the stages' full and
+            return smem, sW, sX, smem.allocate_array(Int64, 2 * cfg.stages, byte_alignment=8)  # empty mbarriers
         return smem, sW, sX, sW
     sW = smem.allocate_tensor(Int32, cute.make_layout(cfg.stages * cfg.w_stage_words), 16)
     sX = smem.allocate_tensor(Int32, cute.make_layout(cfg.x_smem_words), 16)

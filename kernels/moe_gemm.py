@@ -232,7 +232,7 @@ class MoEGemm(DecodeGemmKernel):
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
-                                col_tile0, tok0, rows, k_begin, n_chunks)
+                                col_tile0, tok0, rows, k_begin, n_chunks, None, rows)
                 # D rows are output columns (g, g+8), D columns are rows (2q, 2q+1); every row of the block exists.
                 for j, col_tile, group in acc_groups(main, warp):
                     col = plane * n_col_tiles * 16 + (col_tile0 + col_tile) * 16 + lane // 4

@@ -38,7 +38,6 @@ from .rotate import (
     store4,
     store_x_values,
 )
-from .trellis import x_row_halves
 
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
@@ -138,7 +137,6 @@ class RouteInputRotation:
         first = (bx * BLOCKS_PER_CTA + tid // 32) * self.cfg.blocks_per_warp  # the warp's first block
         block = first + lane // lanes
         exists = block < n_blocks  # a block past the last (odd counts, 8 values) loads the last and stores nothing
-        row_bytes = 2 * x_row_halves(n_blocks * 128, self.cfg.x_order)  # an X row: x_row_halves(h_p) fp16
         if first < n_blocks:
             col0 = lane_column(cutlass.min(block, n_blocks - 1), lane, n)
             if cutlass.const_expr(n == 4):
@@ -164,9 +162,9 @@ class RouteInputRotation:
                     for plane in cutlass.range_constexpr(2):
                         suh = gate_suh if plane == 0 else up_suh
                         v = hadamard128([x[i] * suh[i] for i in range(n)], lane)
-                        if exists:
-                            store_x_values(mXr.iterator.toint() + (Int64(plane) * mXr.shape[1] + row) * row_bytes,
-                                           col0, v, self.cfg.x_order)
+                        if exists:  # plane p of X: rows x x_row_halves(h_p) fp16
+                            plane_addr = mXr.iterator.toint() + Int64(plane) * mXr.shape[1] * mXr.shape[2] * 2
+                            store_x_values(plane_addr, row, mXr.shape[1], n_blocks * 128, col0, v, self.cfg.x_order)
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
                         mRouteRow[route] = row
@@ -239,7 +237,7 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
             hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
             h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
         v = hadamard128(h, lane)
-        store_x_values(mX2.iterator.toint() + Int64(row) * (2 * x_row_halves(inter_p, x_order)), col0, v, x_order)
+        store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
 
 
 @dataclass(frozen=True)

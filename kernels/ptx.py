@@ -247,6 +247,23 @@ def ld_shared_v4(smem_addr, kind=Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def bulk_stage_copy(tid, bar_addr, pieces, size: int, *, loc=None, ip=None) -> None:
+    """In the thread whose ``tid`` is 0: announce ``len(pieces) * size`` bytes on
+    the mbarrier at shared address ``bar_addr`` and arrive on it once, then copy each ``(shared address, global
+    address)`` piece of ``size`` bytes (16-byte aligned, a multiple of 16) with one bulk copy (the TMA unit, no
+    tensor map) that completes those bytes on the mbarrier. Predicated inside one asm block: no branch."""
+    values = [Int32(tid).ir_value(loc=loc, ip=ip), Int32(bar_addr).ir_value(loc=loc, ip=ip)]
+    text = ["{.reg .pred p; setp.eq.b32 p, $0, 0;",
+            f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], {len(pieces) * size};"]
+    for i, (s_addr, g_addr) in enumerate(pieces):
+        values += [Int32(s_addr).ir_value(loc=loc, ip=ip), Int64(g_addr).ir_value(loc=loc, ip=ip)]
+        text.append(f"@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [${2 + 2 * i}], "
+                    f"[${3 + 2 * i}], {size}, [$1];")
+    text.append("}")
+    _asm_void(values, " ".join(text), ",".join(["r", "r"] + ["r", "l"] * len(pieces)), loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_global_v4(gmem_addr, values, kind=Int32, *, loc=None, ip=None) -> None:
     """Store four 32-bit values to a 16-byte aligned global address: Int32 words or Float32."""
     t, c = ("b32", "r") if kind is Int32 else ("f32", "f")

@@ -19,7 +19,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .trellis import X_ORDERS, x_doubled_word, x_pair_word
+from .trellis import X_ORDERS, x_doubled_word, x_pair_word, x_row_halves, x_stages_index
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
@@ -126,11 +126,16 @@ def store_at(addr, values, dtype: str):
         store4(addr + c * (4 if dtype == "float32" else 2), values[c : c + 4], dtype)
 
 
-def store_x_values(row_addr, col0, values, x_order: str):
-    """A lane's 4 or 8 consecutive columns ``col0 ..`` (a multiple of their count) of a GEMM input row at
-    ``row_addr``, fp16, in the GEMM's column order: rows (one 8- or 16-byte store), fragments
+def store_x_values(x_addr, row, rows, width, col0, values, x_order: str):
+    """A lane's 4 or 8 consecutive columns ``col0 ..`` (a multiple of their count) of row ``row`` of a GEMM input X
+    of ``rows`` x ``width`` (in_p) at ``x_addr``, fp16, in the GEMM's column order: rows (one 8- or 16-byte store),
+    stages (``trellis.x_stages_index``: the same store, in the row's swizzled piece of its chunk), fragments
     (``trellis.x_fragment_slot``: one 4-byte store per column pair) or doubled (``trellis.x_doubled_word``: one
-    4-byte store of (v, v) per column)."""
+    4-byte store of (v, v) per column; rows of ``trellis.x_row_halves``)."""
+    if x_order == "stages":
+        store_at(x_addr + Int64(x_stages_index(row, col0, rows)) * 2, values, "float16")
+        return
+    row_addr = x_addr + Int64(row) * (2 * x_row_halves(width, x_order))
     if x_order == "rows":
         store_at(row_addr + Int64(col0) * 2, values, "float16")
         return
@@ -302,8 +307,9 @@ class InputRotation:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor, stream: cuda.CUstream):
         """mX ``(M, in_true)`` fp16/bf16 rows (any row stride), mSuh ``(in_p,)`` fp16, mXr ``(M, in_p)`` fp16
-        (``(M, 2*in_p)`` in doubled order)."""
-        grid = rotation_grid(mSuh.shape[0] // 128, mXr.shape[0], self.cfg.lane_values)
+        (``(M, 2*in_p)`` in doubled order; in stages order ``(R, in_p)``, R >= M whole token blocks, the rows past M
+        left as they are)."""
+        grid = rotation_grid(mSuh.shape[0] // 128, mX.shape[0], self.cfg.lane_values)
         self.kernel(mX, mSuh, mXr).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
@@ -314,7 +320,7 @@ class InputRotation:
         if row < mX.shape[0]:
             v = hadamard128(scaled_values(mX, mSuh, row, col0, n), lane)
             if exists:
-                store_x_values(mXr.iterator.toint() + Int64(row) * mXr.shape[1] * 2, col0, v, self.cfg.x_order)
+                store_x_values(mXr.iterator.toint(), row, mXr.shape[0], mSuh.shape[0], col0, v, self.cfg.x_order)
 
 
 @dataclass(frozen=True)

@@ -274,9 +274,20 @@ def split_halves_fragments(halves, d, ops):
 
 
 # Column orders of the GEMM's rotated input X (GemmConfig.x_order): "rows" (x as is), "fragments" (each lane's B
-# words of a k-tile pair side by side) and "doubled" (every element as an fp16 pair (x, x), each lane's four words
-# of a k-tile side by side: split halves' B operands, one 16-byte load per k-tile).
-X_ORDERS = ("rows", "fragments", "doubled")
+# words of a k-tile pair side by side), "doubled" (every element as an fp16 pair (x, x), each lane's four words
+# of a k-tile side by side: split halves' B operands, one 16-byte load per k-tile) and "stages" (the warpgroup-MMA
+# GEMM's shared-memory stage layout, ``x_stages_index``: a stage of a route block is one contiguous bulk copy).
+X_ORDERS = ("rows", "fragments", "doubled", "stages")
+STAGE_K = 64  # k values of one 128-byte swizzled row of a wgmma X stage ("stages" order)
+
+
+def x_stages_index(row, e, rows):
+    """fp16 index of element ``e`` of row ``row`` in an X of ``rows`` rows in "stages" order: 64-column chunks one
+    after the other (chunk-major: a chunk's rows contiguous, 128 bytes each) and in each row the 16-byte piece p of
+    the chunk at ``p ^ (row % 8)``: the 128-byte swizzle the warpgroup MMA reads (``ptx.wgmma_swizzled_piece``), so
+    the rows of a route block form one stage as they are. Arguments as in ``x_fragment_slot`` (``rows`` too)."""
+    r = e % STAGE_K
+    return ((e // STAGE_K) * rows + row) * STAGE_K + (((r >> 3) ^ (row & 7)) << 3) + (r & 7)
 
 
 def x_fragment_slot(e):

@@ -7,9 +7,10 @@ import torch
 
 from exl3tool.kernels import emulate
 from exl3tool.kernels.gemm import GemmConfig
-from exl3tool.kernels.mainloop import acc_groups
+from exl3tool.kernels.mainloop import acc_groups, swizzled_x_word
 from exl3tool.kernels.trellis import (
     CODEBOOKS,
+    STAGE_K,
     SUPPORTED_BITS,
     TrellisPlan,
     decode_lane,
@@ -22,6 +23,7 @@ from exl3tool.kernels.trellis import (
     tile_position,
     x_doubled_word,
     x_fragment_slot,
+    x_stages_index,
 )
 from exl3tool.reference import decode_trellis
 
@@ -125,6 +127,51 @@ def test_split_halves_mmas_compute_x_times_the_unrounded_weights(bits, codebook)
     y = np.full((8, 16), np.nan)
     y[2 * q, g], y[2 * q + 1, g], y[2 * q, g + 8], y[2 * q + 1, g + 8] = acc
     np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("token_groups,k_tiles_per_stage", [(8, 4), (32, 4), (16, 8), (40, 4)])
+def test_stages_order_holds_each_route_blocks_stages_as_the_row_copies_lay_them_out(token_groups, k_tiles_per_stage):
+    """X in stages order (trellis.x_stages_index) is a permutation of the rows x columns, and the bytes of token
+    block b's stage c (``pieces`` runs of T rows x 128 bytes, where ``mainloop.BulkCopy`` copies them from) are the
+    shared-memory image that row order's per-thread copies make of the same rows (``mainloop.swizzled_x_word``):
+    the GEMM multiplies the same operands either way."""
+    cfg = GemmConfig(4.0, "mcg", token_groups=token_groups, warps=8, k_tiles_per_stage=k_tiles_per_stage, stages=3,
+                     mma="wgmma")
+    t, width, blocks = cfg.tokens_per_cta, 512, 3
+    rows = t * blocks
+    index = x_stages_index(np.arange(rows)[:, None], np.arange(width)[None, :], rows)
+    assert np.array_equal(np.sort(index.reshape(-1)), np.arange(rows * width))
+    x = np.random.default_rng(5).integers(0, 1 << 16, (rows, width), dtype=np.uint16)
+    flat = np.empty(rows * width, dtype=np.uint16)
+    flat[index.reshape(-1)] = x.reshape(-1)
+    stage_k = 16 * k_tiles_per_stage
+    pieces = stage_k // STAGE_K
+    for b in range(blocks):
+        for c in range(width // stage_k):
+            runs = [flat[((c * pieces + a) * rows + b * t) * STAGE_K:][: t * STAGE_K] for a in range(pieces)]
+            copied = np.concatenate(runs).view(np.uint32)  # the stage as the bulk copies leave it
+            image = np.zeros(cfg.x_stage_words, dtype=np.uint32)
+            words = x[b * t:(b + 1) * t, c * stage_k:(c + 1) * stage_k].view(np.uint32)  # [T, stage_k / 2]
+            for row in range(t):
+                for part in range(stage_k // 8):
+                    s = swizzled_x_word(cfg, row, part)
+                    image[s:s + 4] = words[row, 4 * part:4 * part + 4]
+            assert np.array_equal(copied, image), (b, c)
+
+
+def test_arrange_x_puts_rows_in_stages_order_and_pads_whole_token_blocks():
+    """``linear.arrange_x`` (the one-hot GEMM tests' X): rows into ``x_rows`` (whole token blocks), each element at
+    its ``x_stages_index``, the padding rows zero."""
+    from exl3tool.ops.linear import arrange_x, x_rows
+
+    cfg = GemmConfig(4.0, "mcg", token_groups=8, warps=8, k_tiles_per_stage=4, stages=3, mma="wgmma",
+                     x_order="stages")
+    xr = torch.randn(100, 256).half()
+    got = arrange_x(xr, cfg)
+    assert x_rows(100, cfg) == 128 and tuple(got.shape) == (128, 256)
+    index = torch.from_numpy(x_stages_index(np.arange(128)[:, None], np.arange(256)[None, :], 128))
+    back = got.reshape(-1)[index.reshape(-1)].view(128, 256)
+    assert torch.equal(back[:100], xr) and not back[100:].any()
 
 
 def test_doubled_order_is_a_permutation_within_each_k_tile():

@@ -95,7 +95,8 @@ def test_dequantize_compiles(bits, codebook, arch):
 @pytest.mark.parametrize(
     "config",
     [InputRotationConfig("float16"), InputRotationConfig("bfloat16"), InputRotationConfig("float16", "fragments"),
-     InputRotationConfig("bfloat16", "fragments"), InputRotationConfig("float16", "doubled")]
+     InputRotationConfig("bfloat16", "fragments"), InputRotationConfig("float16", "doubled"),
+     InputRotationConfig("float16", "stages"), InputRotationConfig("bfloat16", "stages", 8)]
     + [
         OutputRotationConfig(out, partial, bias)
         for out in ("float16", "bfloat16", "float32")
@@ -164,6 +165,32 @@ def test_warpgroup_mma_gemm_compiles_for_sm90a(bits, codebook, token_groups, war
         assert len(row_copies) % per_stage == 0 and len(row_copies) >= per_stage * (config.stages - 2)
     else:
         assert not row_copies
+
+
+@pytest.mark.parametrize("token_groups,k_tiles_per_stage,mbarriers", [(32, 4, False), (16, 8, False), (40, 4, True)])
+def test_warpgroup_mma_gemm_with_x_in_stages_order(token_groups, k_tiles_per_stage, mbarriers):
+    """X in the stages' layout (trellis.x_stages_index): one thread announces a stage's X bytes on its full mbarrier
+    and brings them with one bulk copy per 64 columns (mainloop.BulkCopy), every thread waits on that mbarrier's
+    phase, and the threads' 16-byte cp.async copy the weights only; the same warpgroup MMAs as row order."""
+    layout = dict(bits=4.0, codebook="mcg", token_groups=token_groups, warps=8, mma="wgmma",
+                  k_tiles_per_stage=k_tiles_per_stage, stages=6, mbarriers=mbarriers)
+    stages, rows = fitting_config(**layout, x_order="stages"), fitting_config(**layout, x_order="rows")
+    ptx, plain = ptx_of(stages, "sm_90a"), ptx_of(rows, "sm_90a")
+    pieces, size = k_tiles_per_stage * 16 // 64, 128 * stages.tokens_per_cta
+    copy = (r" @p cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes "
+            r"\[%r\d+\], \[%rd\d+\], (\d+), \[(%r\d+)\];")
+    announce = r"setp\.eq\.b32 p, %r\d+, 0; @p mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[(%r\d+)\], (\d+);"
+    issues = re.findall(announce + copy * pieces, ptx)
+    assert len(issues) >= stages.stages - 2, len(issues)  # the stages issued ahead, then one per loop chunk
+    for bar, announced, *copies in issues:
+        assert int(announced) == pieces * size and copies == [str(size), bar] * pieces
+    assert "cp.async.bulk" not in plain and "mbarrier.try_wait.parity.shared.b64" in ptx
+    # the threads' 16-byte copies: a stage's weights (one piece each here) against weights and X's 128-byte rows
+    assert 0 < ptx.count("cp.async.cg.shared.global") < plain.count("cp.async.cg.shared.global")
+    assert ptx.count(WGMMA.format(8 * token_groups)) == plain.count(WGMMA.format(8 * token_groups))
+    assert stages.smem_bytes == rows.smem_bytes + (0 if mbarriers else 16 * stages.stages)
+    with pytest.raises(ValueError, match="stages"):  # the stages' layout is the warpgroup MMA's
+        GemmConfig(bits=4.0, codebook="mcg", token_groups=8, x_order="stages")
 
 
 SHARED_DECODE = [dict(token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=4),

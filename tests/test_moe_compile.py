@@ -180,7 +180,10 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
                                     RouteInputRotationConfig("bfloat16", 8, 1, "doubled"),
                                     RouteInputRotationConfig("float16", 9, 4, "fragments", 8),
                                     RouteInputRotationConfig("float16", 8, 4, "rows", 8),
+                                    RouteInputRotationConfig("float16", 8, 4, "stages", 8),
+                                    RouteInputRotationConfig("bfloat16", 3, 1, "stages"),
                                     IntermediateConfig(1), IntermediateConfig(4), IntermediateConfig(2, "fragments"),
+                                    IntermediateConfig(1, "stages", 2, 8),
                                     IntermediateConfig(1, "doubled"), IntermediateConfig(1, "rows", 2, 8),
                                     IntermediateConfig(2, "fragments", 4, 8),
                                     TopKSumConfig(8, "float16", 3),
@@ -248,9 +251,10 @@ WGMMA = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"
                          [(4.0, "mcg", 128), (2.0, "3inst", 32), (3.5, "mul1", 64), (6.0, "mcg", 256)])
 def test_grouped_gemm_with_warpgroup_mma_compiles_for_sm90a(bits, codebook, block_rows, planes):
     """sm_90a's large route blocks: the dense GEMM's warpgroup-MMA main loop (one m64 x rows x k16 MMA per k-tile,
-    X in row order), within sm_90a's shared memory per CTA."""
+    X in row order, from 256 rows in the stages' layout), within sm_90a's shared memory per CTA."""
     cfg = gemm_config(bits, codebook, planes, block_rows, wgmma=True)
-    assert (cfg.mma, cfg.x_order, cfg.warps) == ("wgmma", "rows", 8) and cfg.smem_bytes <= WGMMA_SMEM_LIMIT_BYTES
+    order = "stages" if block_rows >= 256 else "rows"
+    assert (cfg.mma, cfg.x_order, cfg.warps) == ("wgmma", order, 8) and cfg.smem_bytes <= WGMMA_SMEM_LIMIT_BYTES
     ptx = ptx_of(cfg, "sm_90a")
     assert ptx.count(WGMMA.format(block_rows)) >= cfg.k_tiles_per_stage and MMA not in ptx
     assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx

@@ -118,13 +118,16 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
 
 def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
     """From MOE_WGMMA_MIN_ROWS rows a block, sm_90a's GEMMs are the warpgroup-MMA ones (X and X2 then in row order,
-    which the MMA's swizzled copies expect); SM120 and the arch-free plan keep mma.sync."""
+    which the MMA's swizzled copies expect, and from 256 rows in the stages' layout, one bulk copy a stage); SM120
+    and the arch-free plan keep mma.sync."""
     from exl3tool.ops.moe import MOE_WGMMA_MIN_ROWS, gemm_config, uses_wgmma, x_order
 
     assert MOE_WGMMA_MIN_ROWS == 64
     assert [uses_wgmma(rows, "sm_90a") for rows in (8, 32, 64, 128)] == [False, False, True, True]
     assert not uses_wgmma(128, "sm_120a") and not uses_wgmma(128, None)
     assert x_order(64, False, True) == "rows" and x_order(64, False, False) == "fragments"
+    assert [x_order(rows, False, True) for rows in (128, 256, 320)] == ["rows", "stages", "stages"]
+    assert gemm_config(4.0, "mcg", 1, 320, True).x_order == "stages"
     cfg = gemm_config(4.0, "mcg", 2, 128, True)
     assert (cfg.mma, cfg.warps, cfg.warp_cols, cfg.k_tiles_per_stage) == ("wgmma", 8, 1, 4)
     with pytest.raises(ValueError, match="one-row blocks"):  # the M = 1 prologue stays mma.sync's

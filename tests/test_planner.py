@@ -98,10 +98,13 @@ def test_warpgroup_mma_where_the_target_has_it(monkeypatch):
     """sm_90a multiplies 33..WGMMA_MAX_TOKENS rows with warpgroup MMAs (two warpgroups, all the CTA's tokens in
     one MMA, up to 256) and keeps them on the decode GEMM instead of dequantize + cuBLAS; SM120 has none."""
     lin = linear(4096, 14336)
-    for tokens, per_cta in ((33, 64), (64, 64), (100, 128), (200, 256), (WGMMA_MAX_TOKENS, 256)):
+    # X in row order up to 128 tokens per CTA, from 256 in the stages' layout (one bulk copy per stage)
+    for tokens, per_cta, order in ((33, 64, "rows"), (64, 64, "rows"), (100, 128, "rows"), (200, 256, "stages"),
+                                   (WGMMA_MAX_TOKENS, 256, "stages")):
         cfg = plan_gemm(tokens, lin, 132, arch="sm_90a").config
         assert (cfg.mma, cfg.warps, cfg.tokens_per_cta, cfg.split_halves, cfg.x_order) == (
-            "wgmma", 8, per_cta, False, "rows"), tokens
+            "wgmma", 8, per_cta, False, order), tokens
+        assert linear_ops.x_rows(tokens, cfg) == (per_cta if order == "stages" else tokens)
     assert plan_gemm(32, lin, 132, arch="sm_90a").config.mma == "sync"
     assert all(plan_gemm(m, lin, 170, arch="sm_120a").config.mma == "sync" for m in (33, 64, 256))
     monkeypatch.setenv("EXL3TOOL_ARCH", "sm_90a")

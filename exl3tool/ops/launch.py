@@ -56,7 +56,7 @@ def _vector(dtype, size=None, align: int = 8):
 
 def build_gemm(cfg: GemmConfig, options: str):
     m, out_p = cute.sym_int(), cute.sym_int()
-    x = fake_tensor(cutlass.Int32, m, cute.sym_int())
+    x = fake_tensor(cutlass.Int32, cute.sym_int() if cfg.x_order == "stages" else m, cute.sym_int())  # linear.x_rows
     suh = None
     if cfg.input is not None:  # x itself, rotated by the GEMM's prologue
         x, suh = _rows(DTYPES[cfg.input], m, cute.sym_int()), _vector(cutlass.Float16)
@@ -80,8 +80,9 @@ def build_input_rotation(cfg: InputRotationConfig, options: str):
     m, in_p = cute.sym_int(), cute.sym_int()
     x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
     xr_cols = cute.sym_int() if cfg.x_order == "doubled" else in_p  # doubled: 2*in_p
+    xr_rows = cute.sym_int() if cfg.x_order == "stages" else m  # stages: whole token blocks (linear.x_rows)
     return cute.compile(InputRotation(cfg), x, _vector(cutlass.Float16, in_p),
-                        fake_tensor(cutlass.Float16, m, xr_cols), fake_stream(), options=options)
+                        fake_tensor(cutlass.Float16, xr_rows, xr_cols), fake_stream(), options=options)
 
 
 def build_output_rotation(cfg: OutputRotationConfig, options: str):

@@ -29,8 +29,8 @@ from exl3tool.format import Codebook, LinearInfo, LinearTensors
 from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
-from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves
-from exl3tool.ops import fold, launch
+from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves, x_stages_index
+from exl3tool.ops import fold, launch, targets
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import (
     WGMMA_LAYOUT,
@@ -131,7 +131,8 @@ def plan_gemm(
     arch = arch or target_arch(lin.device)
     if config.get("mma", "wgmma" if uses_wgmma(tokens, arch) else "sync") == "wgmma":
         token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8, 16, 32))
-        config = {**WGMMA_LAYOUT, "split_halves": False, "x_order": "rows", **config}
+        config = {**WGMMA_LAYOUT, "split_halves": False, "x_order": targets.wgmma_x_order(8 * token_groups),
+                  **config}
     token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8))
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:
@@ -217,7 +218,7 @@ class LinearPlan:
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
                                        has_bias=lin.bias is not None and output is not None, input=rotated_input)
             x_order = self.gemm_plan.config.x_order
-            rows = ((tokens, x_row_halves(info.in_padded, x_order)), torch.float16)
+            rows = ((x_rows(tokens, self.gemm_plan.config), x_row_halves(info.in_padded, x_order)), torch.float16)
             xr, partials = scratch.views(device, rows,
                                          ((self.gemm_plan.splits, tokens, info.out_padded), torch.float32))
             fn, k_split = launch.compiled(self.gemm_plan.config, arch), self.gemm_plan.k_tiles_per_split
@@ -297,11 +298,13 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
 
 
 def rotate_input(x: torch.Tensor, lin: DeviceLinear, out: torch.Tensor | None = None,
-                 x_order: str = "rows") -> torch.Tensor:
+                 x_order: str = "rows", rows: int | None = None) -> torch.Tensor:
     """fp16 ``[M, in_p]`` = H128(x_pad * suh) per 128-column block, in a GEMM's column order (doubled order:
-    ``[M, 2*in_p]``, ``trellis.x_doubled_word``)."""
+    ``[M, 2*in_p]``, ``trellis.x_doubled_word``; stages order: ``[rows, in_p]``, ``x_rows`` of the GEMM, the rows
+    past M not written)."""
     fn = launch.compiled(InputRotationConfig(_DTYPE_NAMES[x.dtype], x_order), target_arch(x.device))
-    xr = _output(out, (x.shape[0], x_row_halves(lin.info.in_padded, x_order)), torch.float16, x.device)
+    rows = x.shape[0] if rows is None else rows
+    xr = _output(out, (rows, x_row_halves(lin.info.in_padded, x_order)), torch.float16, x.device)
     launch.input_rotation_launcher(fn, lin.suh, xr)(x)
     return xr
 
@@ -319,11 +322,24 @@ def trellis_gemm(
     return partials
 
 
+def x_rows(tokens: int, cfg: GemmConfig) -> int:
+    """Rows of the GEMM's X for ``tokens`` tokens: in "stages" order whole token blocks (a block's stage is one bulk
+    copy, so the last block's rows past M exist; nothing reads what they multiply to)."""
+    return math.ceil(tokens / cfg.tokens_per_cta) * cfg.tokens_per_cta if cfg.x_order == "stages" else tokens
+
+
 def arrange_x(xr: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
-    """A row-order X ``[M, in_p]`` in the column order ``cfg`` reads (``trellis.X_ORDERS``)."""
+    """A row-order X ``[M, in_p]`` in the column order ``cfg`` reads (``trellis.X_ORDERS``; "stages": ``x_rows``
+    rows, those past M zero)."""
     if cfg.x_order == "rows":
         return xr
     cols = np.arange(xr.shape[1])
+    if cfg.x_order == "stages":
+        rows = x_rows(xr.shape[0], cfg)
+        out = xr.new_zeros(rows * xr.shape[1])
+        index = x_stages_index(np.arange(xr.shape[0])[:, None], cols[None, :], rows)
+        out[torch.from_numpy(index.reshape(-1)).to(xr.device)] = xr.reshape(-1)
+        return out.view(rows, xr.shape[1])
     if cfg.x_order == "doubled":
         out = xr.new_empty((xr.shape[0], x_row_halves(xr.shape[1], "doubled")))
         words = torch.from_numpy(2 * x_doubled_word(cols)).to(xr.device)

@@ -38,6 +38,7 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_kernels as K
+from exl3tool.ops import targets
 from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import WGMMA_LAYOUT, decode_warps, has_wgmma, split_halves
@@ -317,10 +318,13 @@ def uses_wgmma(block_rows: int, arch: str | None) -> bool:
 
 
 def x_order(block_rows: int, split: bool = False, wgmma: bool = False) -> str:
-    """Column order of a GEMM's input (X or X2) for route blocks of ``block_rows``: doubled for split halves."""
+    """Column order of a GEMM's input (X or X2) for route blocks of ``block_rows``: doubled for split halves,
+    ``targets.wgmma_x_order`` for warpgroup MMAs."""
     if split:
         return "doubled"
-    return "fragments" if block_rows in FRAGMENT_ORDER_ROWS and not wgmma else "rows"
+    if wgmma:
+        return targets.wgmma_x_order(block_rows)
+    return "fragments" if block_rows in FRAGMENT_ORDER_ROWS else "rows"
 
 
 def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:

@@ -44,6 +44,19 @@ WGMMA_REGISTERS = {1: 128, 2: 128, 4: 128, 8: 128, 16: 152, 32: 248, 40: 256}
 # The planners' warpgroup-MMA GEMM layout, dense and MoE (GemmConfig / MoEGemmConfig fields): two warpgroups, 4
 # k-tiles per stage, 6 stages (up to 217 KB of sm_90a's 227 KB per CTA at 256 tokens). Measured in docs/perf.md.
 WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
+# X's column order for that GEMM (GemmConfig.x_order) from this many tokens per CTA on: "stages" (written in the
+# stages' swizzled layout by the rotations; thread 0 brings a stage with one bulk copy per 64 columns), below it
+# "rows" (every thread's cp.async pieces). Same MMA operands, y bit-identical. H200, K=4 mcg, graph, two rounds, us,
+# rows -> stages: dense whole linear 4096x14336 M=200 71.3 / 71.1 -> 61.1 / 61.1, M=256 66.9 / 65.6 -> 60.7 / 59.6;
+# 14336x4096 M=200 65.2 / 64.9 -> 57.7 / 57.4, M=256 63.7 / 63.8 -> 60.6 / 60.9; MoE E=128 top-8 2048x768 layer M=4096
+# (320-row blocks) 1173.1 / 1208.0 -> 1091.3 / 1104.2 (GEMMs 828.7 -> 710.7). Slower with fewer tokens per CTA: dense
+# M=40-96 +2.0-2.4 us, 14336x4096 M=128 +2.1; MoE M=1024 (64-row blocks) 498.5 -> 509.7, M=2048 (128) 779 -> 785.
+WGMMA_STAGES_MIN_TOKENS = 256
+
+
+def wgmma_x_order(tokens_per_cta: int) -> str:
+    """X's column order for a warpgroup-MMA GEMM of ``tokens_per_cta`` tokens per CTA."""
+    return "stages" if tokens_per_cta >= WGMMA_STAGES_MIN_TOKENS else "rows"
 # The share of one wave of resident CTAs that a split-K grid must fill, per arch (default: a whole wave). On the
 # H200 one wave of fewer, longer splits beats 1.1-2 waves of more, for both GEMMs (K=4 mcg, whole linear, us):
 # wgmma 4096x14336 M=256 one split (0.85 wave) 73.4 against two 80.2, M=128 49.0 / 52.7; 14336x4096 M=256 four

@@ -4,6 +4,7 @@ every element is checked, inputs are fresh random data each run (seed printed)."
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +106,52 @@ def test_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, token_gr
     assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()[:rows]), f"seed={seed} {plan}"
 
 
+@pytest.mark.parametrize("token_groups,k_tiles_per_stage,rows", [(8, 4, 40), (8, 8, 64), (32, 4, 200), (32, 8, 256),
+                                                                   (40, 4, 300), (40, 4, 384)])
+@pytest.mark.parametrize("bits,codebook", [(2.0, "3inst"), (4.0, "mcg")])
+def test_warpgroup_mma_with_x_in_stages_order_reproduces_decoded_weights(seed, bits, codebook, token_groups,
+                                                                          k_tiles_per_stage, rows):
+    """X in the stages' layout (trellis.x_stages_index, linear.x_rows: whole token blocks): thread 0 brings each
+    stage with one bulk copy per 64 columns (two with 8 k-tiles a stage) onto the stage's mbarrier; the one-hot
+    check through 64-, 256- and 320-token CTAs, partly empty and several token blocks."""
+    if not ops.has_wgmma(ops.target_arch("cuda")):
+        pytest.skip("warpgroup MMA needs sm_90a")
+    tensors, lin = device_linear(seed, 384, 384, bits, codebook)
+    xr = torch.eye(lin.info.in_padded, dtype=torch.float16, device="cuda")[:rows]
+    plan = ops.plan_gemm(rows, lin, ops.sm_count("cuda"), token_groups, mma="wgmma", warps=8,
+                         k_tiles_per_stage=k_tiles_per_stage, x_order="stages")
+    assert (plan.config.x_order, plan.config.tokens_per_cta) == ("stages", 8 * token_groups)
+    out = poisoned((plan.splits, rows, lin.info.out_padded), torch.float32)
+    got = ops.trellis_gemm(xr, lin, plan, out=out).sum(0).cpu()
+    assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()[:rows]), f"seed={seed} {plan}"
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096)])
+@pytest.mark.parametrize("tokens", [200, 256])
+def test_linear_with_x_in_stages_order_is_bit_identical_to_row_order(seed, shape, tokens, monkeypatch):
+    """The planner's wide-M wgmma linears (one K split with the fused rotation, and split-K): X in the stages' layout
+    (targets.WGMMA_STAGES_MIN_TOKENS) feeds the same MMAs as row order, so y is bit-identical; replayed too."""
+    if not ops.has_wgmma(ops.target_arch("cuda")):
+        pytest.skip("warpgroup MMA needs sm_90a")
+    _, lin = device_linear(seed, *shape, 4.0, "mcg")
+    x = torch.randn(tokens, shape[0], dtype=torch.float16, device="cuda")
+    outs = []
+    for min_tokens in (256, 1 << 30):
+        monkeypatch.setattr(ops.targets, "WGMMA_STAGES_MIN_TOKENS", min_tokens)
+        lin.plans.clear()
+        plan = ops.plan_for(lin, x)
+        assert plan.gemm_plan.config.x_order == ("stages" if min_tokens == 256 else "rows")
+        y = ops.linear_forward(x, lin).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = ops.linear_forward(x, lin)
+        replayed.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(replayed, y)
+        outs.append((y, plan))  # the plan keeps its scratch alive
+    assert not outs[0][0].isnan().any() and torch.equal(outs[0][0], outs[1][0])
+
+
 @pytest.mark.parametrize("rows", [320, 300, 384])
 @pytest.mark.parametrize("bits,codebook", [(2.0, "3inst"), (4.0, "mcg"), (3.5, "mul1")])
 def test_320_token_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, rows):
@@ -136,16 +183,26 @@ def test_input_rotation_matches_reference(seed, dtype, width, pitch):
     assert torch.allclose(got, ref.half().float(), rtol=2e-3, atol=1e-4), f"seed={seed}"
 
 
-@pytest.mark.parametrize("x_order", ["fragments", "doubled"])
+@pytest.mark.parametrize("x_order", ["fragments", "doubled", "stages"])
 def test_input_rotation_writes_the_gemms_column_order(seed, x_order):
-    """The rotation in fragment or doubled order = the row-order rotation rearranged, bit for bit."""
+    """The rotation in fragment, doubled or stages order = the row-order rotation rearranged, bit for bit (stages:
+    into whole 64-token blocks, rows past M left as they were)."""
     tensors, lin = device_linear(seed, 300, 256, 4.0, "mcg")
     x = torch.randn(19, 300, dtype=torch.float16, device="cuda")
-    cfg = GemmConfig(4.0, "mcg", x_order=x_order, split_halves=x_order == "doubled")
+    if x_order == "stages":
+        cfg = GemmConfig(4.0, "mcg", token_groups=8, x_order=x_order, mma="wgmma", warps=8, k_tiles_per_stage=4,
+                         stages=6)
+    else:
+        cfg = GemmConfig(4.0, "mcg", x_order=x_order, split_halves=x_order == "doubled")
     rows = ops.rotate_input(x, lin)
-    out = poisoned((19, (1 + (x_order == "doubled")) * lin.info.in_padded), torch.float16)
-    got = ops.rotate_input(x, lin, out=out, x_order=x_order)
-    assert torch.equal(got.view(torch.int16), ops.arrange_x(rows, cfg).view(torch.int16)), f"seed={seed}"
+    want = ops.arrange_x(rows, cfg)
+    out = poisoned((want.shape[0], (1 + (x_order == "doubled")) * lin.info.in_padded), torch.float16)
+    got = ops.rotate_input(x, lin, out=out, x_order=x_order, rows=want.shape[0])
+    if x_order == "stages":  # the padding rows' places: untouched (poison), zero in arrange_x
+        written = torch.from_numpy(ops.x_stages_index(np.arange(19)[:, None], np.arange(lin.info.in_padded)[None, :],
+                                                      want.shape[0]).reshape(-1)).cuda()
+        got, want = got.reshape(-1)[written], want.reshape(-1)[written]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"seed={seed}"
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -321,6 +321,28 @@ def test_wide_route_blocks_change_no_bit(synthetic, monkeypatch):
                           check)
 
 
+@pytest.mark.parametrize("largest", [320, 256])
+def test_x_in_stages_order_changes_no_bit(synthetic, monkeypatch, largest):
+    """Route blocks of 256 and more rows (320: the mbarrier loop, 256: the CTA-barrier loop) read X and X2 in the
+    stages' layout (targets.WGMMA_STAGES_MIN_TOKENS: one bulk copy a stage, written so by the input rotation and
+    the Intermediate): the same MMA operands as row order, so y is bit-identical."""
+    from exl3tool.ops import targets
+
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
+        pytest.skip("the stages order is the warpgroup-MMA GEMM's (sm_90a)")
+    monkeypatch.setattr(moe_ops, "LARGEST_BLOCK_ROWS", {"sync": 128, "wgmma": largest})
+    m = 4096
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+
+    def check(plan, min_tokens):
+        rows = plan.step(m, False).shape.block_rows
+        assert rows == largest and moe_ops.x_order(rows, False, True) == ("stages" if min_tokens == 256 else "rows")
+
+    assert targets.WGMMA_STAGES_MIN_TOKENS == 256
+    assert_no_bit_changes(monkeypatch, dmoe, x, targets, "WGMMA_STAGES_MIN_TOKENS", (256, 1 << 30), check)
+
+
 def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
     """320-row route blocks hand their warpgroup-MMA stages over through mbarriers (moe.MBARRIER_MIN_ROWS,
     GemmConfig.mbarriers) instead of a CTA barrier per stage: the same MMAs in the same order, so y is bit-identical
