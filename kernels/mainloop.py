@@ -48,6 +48,7 @@ from .trellis import (
     lane_word_indices,
     mma_a_fragment,
     split_halves_fragments,
+    wgmma_swizzled_piece,
 )
 
 # Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
@@ -127,7 +128,7 @@ def swizzled_x_word(cfg, row, part):
     """Shared word (from the stage's start) of 16-byte piece ``part`` of token row ``row`` in the wgmma layout:
     128-byte swizzle atoms of 64 k each, one after the other, piece p of a row at p ^ (row % 8)."""
     atom, piece = part // 8, part % 8
-    return (atom * cfg.tokens_per_cta + row) * 32 + ptx.wgmma_swizzled_piece(row, piece) * 4
+    return (atom * cfg.tokens_per_cta + row) * 32 + wgmma_swizzled_piece(row, piece) * 4
 
 
 class BulkCopy(NamedTuple):

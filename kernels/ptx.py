@@ -429,15 +429,10 @@ def ld_shared_v2_b32(smem_addr, *, loc=None, ip=None):
 # layout: the decoded weight tile as it comes out of ``trellis.mma_a_fragment``) by a K=16 x N B read straight from
 # shared memory (a descriptor), N = 8..256 tokens, accumulating fp32 asynchronously. B is K-major with the 128-byte
 # swizzle: token rows of 64 fp16 (128 bytes) each, 8-row groups of 1024 bytes, 16-byte piece p of row n at
-# p ^ (n % 8) (``wgmma_swizzled_piece``); its 1024-byte atoms must be 1024-byte aligned.
+# p ^ (n % 8) (``trellis.wgmma_swizzled_piece``); its 1024-byte atoms must be 1024-byte aligned.
 
 WGMMA_SWIZZLE_128B = 1 << 62  # the descriptor's layout type
 WGMMA_GROUP_BYTES = 1024  # stride between 8-row groups (the descriptor's SBO)
-
-
-def wgmma_swizzled_piece(row, piece):
-    """Where 16-byte piece ``piece`` (0..7) of token row ``row`` of a 128-byte swizzled atom sits."""
-    return piece ^ (row % 8)
 
 
 def wgmma_descriptor_high() -> int:

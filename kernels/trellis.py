@@ -281,13 +281,20 @@ X_ORDERS = ("rows", "fragments", "doubled", "stages")
 STAGE_K = 64  # k values of one 128-byte swizzled row of a wgmma X stage ("stages" order)
 
 
+def wgmma_swizzled_piece(row, piece):
+    """Where 16-byte piece ``piece`` (0..7) of token row ``row`` of a 128-byte swizzled atom sits (the warpgroup MMA's
+    B layout, ``ptx.wgmma_descriptor_high``): ``row % 8`` as a mask (rows are never negative; a signed remainder
+    costs the rotations' stores instructions)."""
+    return piece ^ (row & 7)
+
+
 def x_stages_index(row, e, rows):
     """fp16 index of element ``e`` of row ``row`` in an X of ``rows`` rows in "stages" order: 64-column chunks one
     after the other (chunk-major: a chunk's rows contiguous, 128 bytes each) and in each row the 16-byte piece p of
-    the chunk at ``p ^ (row % 8)``: the 128-byte swizzle the warpgroup MMA reads (``ptx.wgmma_swizzled_piece``), so
-    the rows of a route block form one stage as they are. Arguments as in ``x_fragment_slot`` (``rows`` too)."""
+    the chunk at ``wgmma_swizzled_piece(row, p)``: the 128-byte swizzle the warpgroup MMA reads, so the rows of a
+    route block form one stage as they are. Arguments as in ``x_fragment_slot`` (``rows`` too)."""
     r = e % STAGE_K
-    return ((e // STAGE_K) * rows + row) * STAGE_K + (((r >> 3) ^ (row & 7)) << 3) + (r & 7)
+    return ((e // STAGE_K) * rows + row) * STAGE_K + wgmma_swizzled_piece(row, r >> 3) * 8 + (r & 7)
 
 
 def x_fragment_slot(e):
