@@ -248,10 +248,10 @@ def ld_shared_v4(smem_addr, kind=Int32, *, loc=None, ip=None):
 
 @dsl_user_op
 def bulk_stage_copy(tid, bar_addr, pieces, size: int, *, loc=None, ip=None) -> None:
-    """In the thread whose ``tid`` is 0: announce ``len(pieces) * size`` bytes on
-    the mbarrier at shared address ``bar_addr`` and arrive on it once, then copy each ``(shared address, global
-    address)`` piece of ``size`` bytes (16-byte aligned, a multiple of 16) with one bulk copy (the TMA unit, no
-    tensor map) that completes those bytes on the mbarrier. Predicated inside one asm block: no branch."""
+    """In the thread whose ``tid`` is 0: announce ``len(pieces) * size`` bytes on the mbarrier at shared address
+    ``bar_addr`` and arrive on it once, then copy each ``(shared address, global address)`` piece of ``size`` bytes
+    (16-byte aligned, a multiple of 16) with one bulk copy (the TMA unit, no tensor map) that completes those bytes
+    on the mbarrier. Predicated inside one asm block: no branch."""
     values = [Int32(tid).ir_value(loc=loc, ip=ip), Int32(bar_addr).ir_value(loc=loc, ip=ip)]
     text = ["{.reg .pred p; setp.eq.b32 p, $0, 0;",
             f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], {len(pieces) * size};"]

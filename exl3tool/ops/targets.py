@@ -57,6 +57,8 @@ WGMMA_STAGES_MIN_TOKENS = 256
 def wgmma_x_order(tokens_per_cta: int) -> str:
     """X's column order for a warpgroup-MMA GEMM of ``tokens_per_cta`` tokens per CTA."""
     return "stages" if tokens_per_cta >= WGMMA_STAGES_MIN_TOKENS else "rows"
+
+
 # The share of one wave of resident CTAs that a split-K grid must fill, per arch (default: a whole wave). On the
 # H200 one wave of fewer, longer splits beats 1.1-2 waves of more, for both GEMMs (K=4 mcg, whole linear, us):
 # wgmma 4096x14336 M=256 one split (0.85 wave) 73.4 against two 80.2, M=128 49.0 / 52.7; 14336x4096 M=256 four
