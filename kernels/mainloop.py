@@ -54,6 +54,7 @@ from .trellis import (
 # Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
 # (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more).
 CHUNK_UNROLL = 2
+WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 
 
 class DecodeGemmKernel:
@@ -215,11 +216,14 @@ def decode_mma_loop(
     n_chunks: Int32,
     prologue: cutlass.Constexpr = None,
     x_rows: Int32 = 0,
+    tail_run=None,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
     which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``.
-    In "stages" order ``x_rows`` is X's row count (a whole number of route blocks: no bound on ``tokens``)."""
+    In "stages" order ``x_rows`` is X's row count (a whole number of route blocks: no bound on ``tokens``).
+    ``tail_run`` (Int32, warpgroup MMAs): zero skips the MMAs of the token groups past the first 256 tokens, whose
+    accumulators then stay as they were."""
     threads = 32 * cfg.warps
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -232,7 +236,7 @@ def decode_mma_loop(
                           tid, x_rows, sDec if bulk else None)
     wgmma = cfg.mma == "wgmma"
     if cutlass.const_expr(wgmma and cfg.mbarriers):
-        mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid)
+        mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid, tail_run)
         return
     if cutlass.const_expr(bulk):  # the stages' full mbarriers: thread 0's arrival and its bulk copies' bytes
         if tid == 0:
@@ -273,7 +277,8 @@ def decode_mma_loop(
         if cutlass.const_expr(cfg.input is not None):
             x_stage = chunk * (cfg.x_k_tile_words * cfg.k_tiles_per_stage)  # the resident row's words of this chunk
         if cutlass.const_expr(wgmma):
-            warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * x_stage, w_stage, word_idx, shift, consts)
+            warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * x_stage, w_stage, word_idx, shift, consts,
+                                 tail_run)
         elif cutlass.const_expr(cfg.warp_cols > 1):
             shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
                               consts, warp, lane)
@@ -285,7 +290,8 @@ def decode_mma_loop(
 
 @cute.jit
 def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor, sW: cute.Tensor,
-                        sX_addr: Int32, bars, copies, n_chunks: Int32, warp: Int32, lane: Int32, tid: Int32):
+                        sX_addr: Int32, bars, copies, n_chunks: Int32, warp: Int32, lane: Int32, tid: Int32,
+                        tail_run=None):
     """The warpgroup-MMA main loop with mbarrier hand-offs (``GemmConfig.mbarriers``). Stage s has a ``full``
     barrier (every thread's copies of its chunk arrive on it as they land: ``cp.async.mbarrier.arrive.noinc``) and
     an ``empty`` one (each warp arrives once its MMAs of the stage's chunk are done). Chunk c waits for its full
@@ -314,7 +320,7 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
         cute.arch.mbarrier_wait(full + stage, (chunk // stages) % 2)
         ptx.fence_proxy_async_shared()  # the copies' data, visible to the tensor cores' reads
         warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * stage * cfg.x_stage_words,
-                             stage * cfg.w_stage_words + w_lane, word_idx, shift, consts)
+                             stage * cfg.w_stage_words + w_lane, word_idx, shift, consts, tail_run)
         ptx.wgmma_wait(1)  # this warpgroup's MMAs of chunk - 1 are done
         if chunk > 0:
             if lane == 0:
@@ -330,7 +336,7 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
     ptx.wgmma_wait(0)  # acc is final
 
 
-def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts):
+def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts, tail_run=None):
     """One stage with warpgroup MMAs: every k-tile of this warp's tile column decoded into A registers first (the
     previous stage's MMAs still run meanwhile), then one fence and one asynchronous ``m64 x tokens x k16`` MMA per
     k-tile, committed as one group. The caller waits for the group before the stage's buffer is refilled and
@@ -349,7 +355,7 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
             # carry: the stage lies inside the 228 KB of shared memory.
             desc = desc0 + (((kk // 4) * (cfg.tokens_per_cta * 128) + 8 * g0 * 128 + (kk % 4) * 32) >> 4)
             regs = range(4 * g0, 4 * (g0 + groups))
-            d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in regs], "float16")
+            d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in regs], "float16", tail_run if g0 else None)
             for i, v in zip(regs, d):
                 acc[i] = v
     ptx.wgmma_commit()
@@ -358,7 +364,7 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
 def wgmma_token_chunks(token_groups: int):
     """(first token group, token groups) of each warpgroup MMA a k-tile takes: at most 32 groups (N = 256 tokens)
     an instruction, so a 320-token CTA issues N = 256 and N = 64."""
-    return [(g0, min(32, token_groups - g0)) for g0 in range(0, token_groups, 32)]
+    return [(g0, min(WGMMA_MAX_GROUPS, token_groups - g0)) for g0 in range(0, token_groups, WGMMA_MAX_GROUPS)]
 
 
 def lane_words(cfg, sW, w_stage, kk, word_idx):

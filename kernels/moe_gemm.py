@@ -25,6 +25,10 @@ is x itself: each CTA rotates the token's x with its expert's gate or up suh int
 weight stages load (``rotate_expert_input``, the dense GEMM's M = 1 prologue), so no RouteInputRotation runs; the
 first CTA of each block writes that route's ``route_row`` / ``row_route`` in its place.
 
+With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k-tile) a block whose row 256 is
+padding (``row_route`` -1; a block's routes are its first rows) skips its N = 64 MMAs (a predicate, uniform in
+the warpgroup) and the partials of rows 256 .., which nothing reads.
+
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
 intermediate also the group's rotations fp16 ``[E_g, 3*I_p]``, X2 fp16 ``[R, I_p]``, row_route int32 ``[R]``,
@@ -41,7 +45,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import ptx
 from .gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES, GemmConfig
-from .mainloop import DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
+from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 from .moe_rotate import TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
 
@@ -76,6 +80,9 @@ class MoEGemmConfig:
     x2_order: str = "rows"
     mma: str = "sync"  # GemmConfig.mma: "wgmma" (sm_90a) for the large route blocks
     mbarriers: bool = False  # GemmConfig.mbarriers
+    # Warpgroup MMAs over more than 256 rows: a block whose row 256 is padding (row_route -1; a block's routes
+    # are its first rows) skips the MMAs and the partials' stores of rows 256 .. (nothing reads padding rows).
+    skip_padding_tail: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -92,6 +99,8 @@ class MoEGemmConfig:
             raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
         self.mainloop  # validates the rest, including the shared-memory limit
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
+        if self.skip_padding_tail and (self.mma != "wgmma" or self.token_groups <= WGMMA_MAX_GROUPS or self.input):
+            raise ValueError("skip_padding_tail takes warpgroup MMAs over more than 256 packed rows")
         if self.smem_bytes > limit:
             raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {limit})")
 
@@ -231,16 +240,19 @@ class MoEGemm(DecodeGemmKernel):
             else:
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
+                tail_run = None
+                if cutlass.const_expr(cfg.skip_padding_tail):
+                    tail_run = cutlass.select_(mRowRoute[tok0 + 8 * WGMMA_MAX_GROUPS] >= 0, Int32(1), Int32(0))
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
-                                col_tile0, tok0, rows, k_begin, n_chunks, None, rows)
+                                col_tile0, tok0, rows, k_begin, n_chunks, None, rows, tail_run)
                 # D rows are output columns (g, g+8), D columns are rows (2q, 2q+1); every row of the block exists.
-                for j, col_tile, group in acc_groups(main, warp):
-                    col = plane * n_col_tiles * 16 + (col_tile0 + col_tile) * 16 + lane // 4
-                    row = tok0 + group * 8 + 2 * (lane % 4)
-                    mP[split, row, col] = acc[4 * j]
-                    mP[split, row, col + 8] = acc[4 * j + 2]
-                    mP[split, row + 1, col] = acc[4 * j + 1]
-                    mP[split, row + 1, col + 8] = acc[4 * j + 3]
+                groups = acc_groups(main, warp)
+                head = [g for g in groups if not cfg.skip_padding_tail or g[2] < WGMMA_MAX_GROUPS]
+                store_partials(mP, acc, head, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
+                if cutlass.const_expr(cfg.skip_padding_tail):
+                    if tail_run != 0:
+                        store_partials(mP, acc, groups[len(head):], split, plane * n_col_tiles * 16, col_tile0,
+                                       tok0, lane)
 
             if cutlass.const_expr(cfg.intermediate_splits > 0):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
@@ -272,6 +284,18 @@ class MoEGemm(DecodeGemmKernel):
                                    warp, cfg.warps, lane)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+
+
+def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):
+    """Accumulator ``groups`` (``acc_groups``' entries) into ``P[split]``: D rows are output columns (g, g+8) of
+    the tile column from ``col0``, D columns are packed rows (2q, 2q+1) of the token group. Traced inline."""
+    for j, col_tile, group in groups:
+        col = col0 + (col_tile0 + col_tile) * 16 + lane // 4
+        row = tok0 + group * 8 + 2 * (lane % 4)
+        mP[split, row, col] = acc[4 * j]
+        mP[split, row, col + 8] = acc[4 * j + 2]
+        mP[split, row + 1, col] = acc[4 * j + 1]
+        mP[split, row + 1, col + 8] = acc[4 * j + 3]
 
 
 @cute.jit

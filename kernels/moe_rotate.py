@@ -234,10 +234,18 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
         for i in range(n):
             g = gate[i] * gate_svh[i]
             u = up[i] * up_svh[i]
-            hi = g / (Float32(1.0) + cute.math.exp(-g)) * u * down_suh[i]
+            hi = silu(g) * u * down_suh[i]
             h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
         v = hadamard128(h, lane)
         store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
+
+
+def silu(g):
+    """``g * sigmoid(g)`` through the approximate reciprocal (``rcp.approx``, 1 ulp; the X2 it feeds is fp16). An
+    IEEE division costs a range check and a slow-path branch per value: H200, E=128 top-8 2048x768 K=4 mcg,
+    Intermediate kernel us, IEEE -> approximate: M=1024 27.1 -> 23.8, M=2048 51.7 -> 44.5, M=4096 104.7 -> 94.8
+    (sm_90a SASS 840 -> 632 instructions, 56 -> 40 registers; y within 3.7e-5 of the division's)."""
+    return g * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g))
 
 
 @dataclass(frozen=True)

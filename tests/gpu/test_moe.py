@@ -343,6 +343,48 @@ def test_x_in_stages_order_changes_no_bit(synthetic, monkeypatch, largest):
     assert_no_bit_changes(monkeypatch, dmoe, x, targets, "WGMMA_STAGES_MIN_TOKENS", (256, 1 << 30), check)
 
 
+def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
+    """320-row route blocks whose row 256 is padding skip their N = 64 MMAs and those rows' partial stores
+    (moe.SKIP_PADDING_TAIL): y bit-identical to the blocks that compute every row, with the scratch NaN-poisoned
+    (nothing reads a skipped row), for the router's routes and for given ones that put 0, 1, 255, 256, 257, 320,
+    321, 640 and 641 routes on single experts (blocks just below, at and past each edge)."""
+    reader = synthetic("qwen3-30b-shape-k4-mcg")
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
+        pytest.skip("320-row route blocks are sm_90a's")
+    m, k, e = 4096, moe.routing.top_k, moe.num_experts
+    edges = [256, 257, 320, 321, 0, 1, 255, 640, 641]
+    rest = m * k - sum(edges)
+    counts = edges + [rest // (e - len(edges)) + (i < rest % (e - len(edges))) for i in range(e - len(edges))]
+    # expert ids sorted by expert, slot j of token t at position j*M + t: a token's slots are distinct experts
+    given = torch.repeat_interleave(torch.arange(e), torch.tensor(counts)).view(k, m).T.contiguous()
+    given = given.int().cuda()
+    weights = torch.rand(m, k, device="cuda")
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    made, real = [], moe_ops.gemm_config
+    outs = {}
+    for skip in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(moe_ops, "SKIP_PADDING_TAIL", skip)
+            patch.setattr(moe_ops, "gemm_config", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+            made.clear()
+            plan = plan_moe(dmoe, m)
+            poison(plan)
+            routed = moe_forward(x, plan).clone()
+            ids = routes(plan, m)[0].clone()
+            poison(plan)
+            outs[skip] = routed, ids, moe_forward(x, plan, topk_ids=given, topk_weights=weights).clone()
+            assert plan.step(m, False).shape.block_rows == 320 and len(made) == 4
+            assert all(c.skip_padding_tail == skip for c in made)
+    per_expert = torch.bincount(outs[True][1].flatten().long(), minlength=e)
+    assert (per_expert <= 256).any() and (per_expert > 256).any()  # the router's routes take both kinds of block
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+    assert not outs[True][0].isnan().any()
+    assert rel(outs[True][2], reference_given(reader, moe, x, given.long(), weights)) < MAX_REL
+
+
 def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
     """320-row route blocks hand their warpgroup-MMA stages over through mbarriers (moe.MBARRIER_MIN_ROWS,
     GemmConfig.mbarriers) instead of a CTA barrier per stage: the same MMAs in the same order, so y is bit-identical
