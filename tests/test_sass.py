@@ -123,8 +123,11 @@ def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook)
         (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[type(cfg)](cfg, o), "sm_90a"))
         assert k.registers <= WGMMA_REGISTERS[40] and k.frame_bytes == 0 and k.spill_instructions == 0, (
             planes, k.registers, k.frame_bytes)
-        hgmma = [i for i in k.instructions if i.root == "HGMMA"]
+        # (ptxas adds an empty HGMMA, no descriptor and no registers, where the predicated N = 64 ones may be
+        # skipped: moe.SKIP_PADDING_TAIL)
+        hgmma = [i for i in k.instructions if i.root == "HGMMA" and "gdesc[URZ]" not in i.operands]
         assert len(hgmma) % (2 * cfg.k_tiles_per_stage) == 0 and len(hgmma) > 0, len(hgmma)
+        assert sum("x256x16" in i.operands for i in hgmma) == sum("x64x16" in i.operands for i in hgmma)
         assert cfg.mbarriers and [i.root for i in k.instructions].count("BAR") == 1
         assert any(i.root == "SYNCS" for i in k.instructions)  # the mbarrier arrivals and waits
 
