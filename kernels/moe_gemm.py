@@ -245,7 +245,7 @@ class MoEGemm(DecodeGemmKernel):
                     tail_run = cutlass.select_(mRowRoute[tok0 + 8 * WGMMA_MAX_GROUPS] >= 0, Int32(1), Int32(0))
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
                                 col_tile0, tok0, rows, k_begin, n_chunks, None, rows, tail_run)
-                # D rows are output columns (g, g+8), D columns are rows (2q, 2q+1); every row of the block exists.
+                # P has every row of the block; a skipped tail's rows are left unwritten
                 groups = acc_groups(main, warp)
                 head = [g for g in groups if not cfg.skip_padding_tail or g[2] < WGMMA_MAX_GROUPS]
                 store_partials(mP, acc, head, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
