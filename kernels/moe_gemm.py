@@ -247,12 +247,13 @@ class MoEGemm(DecodeGemmKernel):
                                 col_tile0, tok0, rows, k_begin, n_chunks, None, rows, tail_run)
                 # P has every row of the block; a skipped tail's rows are left unwritten
                 groups = acc_groups(main, warp)
-                head = [g for g in groups if not cfg.skip_padding_tail or g[2] < WGMMA_MAX_GROUPS]
+                skippable = [cfg.skip_padding_tail and group >= WGMMA_MAX_GROUPS for _, _, group in groups]
+                head = [g for g, skip in zip(groups, skippable) if not skip]
                 store_partials(mP, acc, head, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
                 if cutlass.const_expr(cfg.skip_padding_tail):
                     if tail_run != 0:
-                        store_partials(mP, acc, groups[len(head):], split, plane * n_col_tiles * 16, col_tile0,
-                                       tok0, lane)
+                        tail = [g for g, skip in zip(groups, skippable) if skip]
+                        store_partials(mP, acc, tail, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
 
             if cutlass.const_expr(cfg.intermediate_splits > 0):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
