@@ -129,3 +129,19 @@ def mma_m16n8k16(a, b, c):
         out[2][lane] = D[g + 8, 2 * q] + c[2][lane]
         out[3][lane] = D[g + 8, 2 * q + 1] + c[3][lane]
     return out
+
+
+def mma_m16n8k16_f32(a, b, c, dtype):
+    """``ptx.mma_m16n8k16_f32`` for fp16 operands (``mma_m16n8k16``)."""
+    assert dtype == "float16"
+    return mma_m16n8k16(a, b, c)
+
+
+def split_product(x, s):
+    """``ptx.split_product``: fp16x2 hi = round(x * s), lo = round(x * s - hi) (fp16 arithmetic, one rounding each)."""
+    xl, xh = _halves(x)
+    sl, sh = _halves(s)
+    hi = _pack(xl * sl, xh * sh)
+    hl, hh = _halves(hi)
+    return hi, _pack(xl * sl - hl, xh * sh - hh)
+

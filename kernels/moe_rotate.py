@@ -28,6 +28,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from . import ptx
+from .hadamard_mma import RUN, hadamard128_f16, run_column
 from .rotate import (
     check_lane_values,
     hadamard128,
@@ -36,8 +37,48 @@ from .rotate import (
     load_row,
     row_values,
     store4,
+    store_at,
     store_x_values,
 )
+from .trellis import STAGE_K, wgmma_swizzled_piece
+
+@cute.jit
+def row_words(mX: cute.Tensor, row: Int32, col0: Int32):
+    """fp16 ``x[row, col0 .. col0+7]`` as four words, columns past x's width zero: one 16-byte load where the
+    eight are inside the row and aligned (x rows may be strided views of any width), else by column."""
+    w = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+    addr = mX.iterator.toint() + (Int64(row) * mX.stride[0] + col0) * 2
+    if col0 + 8 <= mX.shape[1] and (addr & 15) == 0:
+        loaded = ptx.ld_global_v4_b32(addr)
+        for i in cutlass.range_constexpr(4):
+            w[i] = loaded[i]
+    else:
+        v = row_values(mX, row, col0, 8, "float16")
+        for i in cutlass.range_constexpr(4):
+            w[i] = ptx.pack_f32x2(v[2 * i], v[2 * i + 1], "float16")
+    return [w[i] for i in range(4)]
+
+
+def suh_words(mSuh: cute.Tensor, row, col0):
+    """The run (``hadamard_mma.run_column``) of fp16 ``suh[row, col0 + ..]`` of a contiguous matrix with 16-byte
+    aligned rows as 16 words: four 16-byte loads (col0: the block's first column plus 8q)."""
+    addr = mSuh.iterator.toint() + (Int64(row) * mSuh.shape[1] + col0) * 2
+    return [w for i in range(4) for w in ptx.ld_global_v4_b32(addr + 64 * i)]
+
+
+def store_run(x_addr, row, rows, width, col0, values, x_order: str):
+    """A thread's run (``hadamard_mma``: 32 Float32, piece i at columns ``col0 + 32i ..``, col0 the block's first
+    column plus 8q) of row ``row`` of a GEMM input X of ``rows`` x ``width`` at ``x_addr`` as fp16, four 16-byte
+    stores: in rows order, or in stages order (``trellis.x_stages_index``: 64-column chunks, pieces swizzled)."""
+    for i in range(4):
+        col = col0 + 32 * i
+        if x_order == "stages":
+            addr = x_addr + Int64((col // STAGE_K) * rows + row) * (2 * STAGE_K) + (
+                wgmma_swizzled_piece(row, (col % STAGE_K) // 8) << 4)
+        else:
+            addr = x_addr + (Int64(row) * width + col) * 2
+        store_at(addr, values[8 * i:8 * i + 8], "float16")
+
 
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
@@ -97,9 +138,21 @@ class RouteInputRotationConfig:
     slot_groups: int = 1  # CTAs (grid z) that share a token's route slots
     x_order: str = "rows"  # X's column order (the gate/up GEMM's)
     lane_values: int = 4  # a lane's columns of a 128-block: 4, or 8 (a warp per two blocks, 16-byte x and X)
+    # "shuffle": butterflies, a warp per token; "mma": a warp per 8 consecutive routes (t*k' + j) and one block,
+    # both planes' H128s on the tensor cores (``hadamard_mma``, its runs: 16-byte x, suh and X accesses), for fp16
+    # x and X in rows or stages order (slot_groups and lane_values unused). suh is scaled by 2^suh_shift in
+    # registers (exact: a power of two) so that x * suh splits exactly into fp16 hi + lo; the output undoes it.
+    hadamard: str = "shuffle"
+    suh_shift: int = 0
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
+        if self.hadamard not in ("shuffle", "mma"):
+            raise ValueError("hadamard must be shuffle or mma")
+        if self.hadamard == "mma" and (self.x_dtype != "float16" or self.x_order not in ("rows", "stages")):
+            raise ValueError("tensor-core input rotations take fp16 x and X in rows or stages order")
+        if not -14 <= self.suh_shift <= 15:
+            raise ValueError("suh_shift must keep 2^suh_shift a normal fp16 (-14 .. 15)")
 
     @property
     def slots_per_warp(self) -> int:
@@ -118,10 +171,59 @@ class RouteInputRotation:
     def __call__(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
                  mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                  mRowRoute: cute.Tensor, mRouteRow: cute.Tensor, stream: cuda.CUstream):
-        per_cta = BLOCKS_PER_CTA * self.cfg.blocks_per_warp
-        grid = (mX.shape[0], (mGateSuh.shape[1] // 128 + per_cta - 1) // per_cta, self.cfg.slot_groups)
-        self.kernel(mX, mGateSuh, mUpSuh, mXr, mIds, mRank, mExpertRow, mGroupRow, mRowRoute, mRouteRow).launch(
-            grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
+        args = (mX, mGateSuh, mUpSuh, mXr, mIds, mRank, mExpertRow, mGroupRow, mRowRoute, mRouteRow)
+        if cutlass.const_expr(self.cfg.hadamard == "mma"):
+            grid = ((mGateSuh.shape[1] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA,
+                    (mX.shape[0] * self.cfg.routes_per_token + 7) // 8, 1)
+            self.kernel_mma(*args).launch(grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream,
+                                          **ptx.pdl_launch())
+        else:
+            per_cta = BLOCKS_PER_CTA * self.cfg.blocks_per_warp
+            grid = (mX.shape[0], (mGateSuh.shape[1] // 128 + per_cta - 1) // per_cta, self.cfg.slot_groups)
+            self.kernel(*args).launch(grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream,
+                                      **ptx.pdl_launch())
+
+    @cute.kernel
+    def kernel_mma(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
+                   mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
+                   mRowRoute: cute.Tensor, mRouteRow: cute.Tensor):
+        """Warp w of CTA (b, t): block 4b + w of routes 8t .. 8t+7. The MMAs' 16 rows are route 8t + g's two
+        planes: thread (g, q) holds x * gate_suh as row g and x * up_suh as row g + 8, of the block the run of
+        quad q (``hadamard_mma.run_column``), so it loads x and its route's indices once."""
+        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        k, shift = self.cfg.routes_per_token, self.cfg.suh_shift
+        tid, _, _ = cute.arch.thread_idx()
+        bx, tile, _ = cute.arch.block_idx()
+        lane = tid % 32
+        n_blocks = mGateSuh.shape[1] // 128
+        block = bx * BLOCKS_PER_CTA + tid // 32
+        routes = mX.shape[0] * k
+        if block < n_blocks:
+            col0 = block * 128 + run_column(lane % 4, 0)
+            route = tile * 8 + lane // 4
+            rc = cutlass.min(route, routes - 1)
+            tok = rc // k
+            x = [w for i in range(4) for w in row_words(mX, tok, col0 + 32 * i)]
+            e = mIds[tok, rc - tok * k]
+            p = cutlass.select_(route < routes, mGroupRow[e], Int32(-1))
+            row = mExpertRow[e] + mRank[rc]
+            # every load before the first store (a store may alias a later load for all the compiler knows)
+            suh = [suh_words(m, cutlass.max(p, 0), col0) for m in (mGateSuh, mUpSuh)]
+            two_to_shift = ptx.pinned(((15 + shift) << 10) * 0x10001)  # fp16x2 (2^shift, 2^shift)
+            hi, lo = [], []
+            for plane in cutlass.range_constexpr(2):
+                scaled = suh[plane] if shift == 0 else [ptx.mul_f16x2(w, two_to_shift) for w in suh[plane]]
+                parts = [ptx.split_product(x[w], scaled[w]) for w in range(RUN // 2)]
+                hi.append([a for a, _ in parts])
+                lo.append([b for _, b in parts])
+            v = hadamard128_f16(hi, lo, lane, ptx, Float32(0.0), 2.0 ** -shift)
+            if p >= 0:
+                for plane in cutlass.range_constexpr(2):
+                    plane_addr = mXr.iterator.toint() + Int64(plane) * mXr.shape[1] * mXr.shape[2] * 2
+                    store_run(plane_addr, row, mXr.shape[1], n_blocks * 128, col0, v[plane], self.cfg.x_order)
+                if block == 0 and lane % 4 == 0:
+                    mRowRoute[row] = route
+                    mRouteRow[route] = row
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,

@@ -197,6 +197,20 @@ def mma_m16n8k16_f32(a, b, c, dtype: str, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def split_product(x, s, *, loc=None, ip=None):
+    """fp16x2 ``x * s`` as two fp16x2 words ``(hi, lo)``: hi = x * s rounded, lo = x * s - hi (one HMUL2, one
+    HFMA2; exact while lo is a normal fp16)."""
+    text = "{.reg .b32 h, n; mul.rn.f16x2 h, $2, $3; neg.f16x2 n, h; fma.rn.f16x2 $1, $2, $3, n; mov.b32 $0, h;}"
+    values = [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, s)]
+    return _asm_4(Int32, values, text, "=r,=r,r,r", side_effects=False, count=2, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mul_f16x2(x, s, *, loc=None, ip=None) -> Int32:
+    return _asm_i32([x, s], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def cp_async(smem_addr, gmem_addr, src_bytes, size: int = 16, *, loc=None, ip=None) -> None:
     """Asynchronous global->shared copy of ``size`` bytes (16: ``.cg``, L2 only; 8 or 4: ``.ca``, which ``.cg``
     does not take); ``src_bytes`` < size zero-fills the rest (0 = all zeros)."""

@@ -284,3 +284,27 @@ def test_intermediate_silu_takes_the_approximate_reciprocal():
     for cfg in (IntermediateConfig(1, "stages", 2, 8), gemm_config(4.0, "mcg", 2, 8, intermediate_splits=2)):
         ptx = ptx_of(cfg)
         assert "rcp.approx" in ptx and "div.rn.f32" not in ptx and "div.full" not in ptx
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("routes,x_order,shift", [(8, "stages", 6), (9, "rows", 0), (3, "stages", -1)])
+def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, arch):
+    """The route input rotation a warp per 8 routes (hadamard "mma"; their gate and up planes as the MMAs' 16
+    rows): both planes' H128s as 2 x 2 x 8 fp16 MMAs from exact hi/lo splits of x * suh (suh scaled by 2^shift in registers unless shift is 0), no
+    shuffle; every load before the first store; under 128 registers (4 CTAs of 4 warps an SM), no spills; fp16
+    x and X in rows or stages order only."""
+    from exl3tool import sass
+
+    cfg = RouteInputRotationConfig("float16", routes, x_order=x_order, hadamard="mma", suh_shift=shift)
+    ptx = ptx_of(cfg, arch)
+    assert ptx.count(MMA) == 2 * 2 * 8 and "shfl.sync" not in ptx
+    assert ptx.count("fma.rn.f16x2") == 2 * 16 and ptx.count("mul.rn.f16x2") == 2 * 16 * (1 + (shift != 0))
+    (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[type(cfg)](cfg, o), arch))
+    assert k.registers <= 128 and k.spill_instructions == 0, (k.registers, k.spill_instructions)
+    ops = [i.opcode for i in k.instructions if i.root in ("LDG", "STG", "SHFL")]
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert not any(op.startswith("LDG") for op in ops[first_store:])
+    for bad in (dict(x_dtype="bfloat16"), dict(x_order="fragments"), dict(x_order="doubled"), dict(suh_shift=16)):
+        with pytest.raises(ValueError):
+            RouteInputRotationConfig(**{"x_dtype": "float16", "routes_per_token": routes, "x_order": x_order,
+                                        "hadamard": "mma", "suh_shift": shift, **bad})

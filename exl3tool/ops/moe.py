@@ -65,6 +65,12 @@ INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
 # bits) or 4. H200, E=128 top-8 2048x768 K=4 mcg, Intermediate kernel us, two rounds, y bit-identical (4 -> 8):
 # M=1024 27.8 / 27.8 -> 27.2 / 27.2, M=4096 107.5 / 108.3 -> 105.2 / 105.5; M=256 10.3 / 10.4 -> 10.5 / 10.7.
 INTERMEDIATE_LANE_VALUES = 8
+# Route blocks of warpgroup-MMA GEMMs (X in rows or stages order) take the route input rotation a warp per 8
+# routes, its H128s on the tensor cores (RouteInputRotationConfig.hadamard "mma", kernels.hadamard_mma; fp16 x,
+# 16-byte aligned suh). The shuffle rotation is issue- and L1-bound (H200 ncu, M=4096: 75% issue, L1 87%).
+# H200, E=128 top-8 2048x768 K=4 mcg, kernel us (profiler, 4 L2-cold copies), shuffle -> mma: M=4096 133.6 ->
+# 111.8, M=2048 56.9 -> 46.5, M=1024 29.6 -> 24.2; y moves 1.8e-4 (relative), as close to the fp32 reference.
+INPUT_ROTATION_MMA = True
 BLOCK_ROWS = (8, 16, 32, 64, 128, 256, 320)  # route block = GEMM tokens per CTA, by the mean routes per expert
 # The mean routes per expert from which a block above TWICE_THE_MEAN_MAX_ROWS may be taken: its own size, except 320
 # rows (sm_90a's warpgroup MMAs, N = 256 + 64 per k-tile, 250 registers at K=4), from 256. Among those reached,
@@ -150,6 +156,15 @@ class DeviceExpertGroup:
     down_svh: torch.Tensor  # fp16 [E_g, H_p]
     group_row: torch.Tensor = None  # int32 [E']: row of each expert in this group, -1 elsewhere
 
+    # the power of two that scales the largest |gate/up suh| into [1/2, 1]: the tensor-core input rotation's
+    # exact fp16 split of x * suh (RouteInputRotationConfig.suh_shift), set at load time (one host sync)
+    suh_shift: int = 0
+
+
+def suh_shift(gate_suh: torch.Tensor, up_suh: torch.Tensor) -> int:
+    largest = max(gate_suh.abs().max().item(), up_suh.abs().max().item())
+    return 0 if largest == 0 else min(15, max(-14, math.floor(-math.log2(largest))))
+
 
 @dataclass
 class DeviceMoE:
@@ -191,6 +206,8 @@ class DeviceMoE:
                 shared = "ungated"
         if not torch.equal(router[: moe.num_experts].float(), moe.router.to(device).float()):
             raise UnsupportedFeatureError("the router is not representable in fp16", tensor=moe.name)
+        for g in groups:
+            g.suh_shift = suh_shift(g.gate_suh, g.up_suh)
         packed = moe.num_experts + (shared != "none")
         row = 0
         svh_row = torch.empty(packed, dtype=torch.int32)
@@ -441,6 +458,16 @@ class MoEPlan:
         per_group = 4 - fused - resident_input(tokens, given)
         return 1 + (not fused_topk(tokens, given)) + per_group * len(self.dmoe.groups)
 
+    def input_rotation(self, g: DeviceExpertGroup, wgmma: bool, order13: str, lane_values: int,
+                       slot_groups: int) -> RouteInputRotationConfig:
+        """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
+        stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
+        x_dtype, k = _DTYPE_NAMES[self.x_dtype], self.dmoe.route.routes_per_token
+        aligned = g.gate_suh.data_ptr() % 16 == 0 and g.up_suh.data_ptr() % 16 == 0  # its 16-byte suh loads
+        if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and aligned:
+            return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift)
+        return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values)
+
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
         if key not in self._steps:
@@ -492,8 +519,8 @@ class MoEPlan:
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2)
-            rot = None if resident else K.compiled(
-                RouteInputRotationConfig(_DTYPE_NAMES[self.x_dtype], k, slot_groups, order13, lane_values), arch)
+            rot = None if resident else K.compiled(self.input_rotation(g, wgmma, order13, lane_values, slot_groups),
+                                                   arch)
             inter = None if s.fused_intermediate else K.compiled(
                 intermediate_config(s.splits13, order2, i_p // 128), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)

@@ -440,12 +440,61 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
     assert not outs[0].isnan().any() and all(torch.equal(y, outs[0]) for y in outs)
 
 
+ODD_HIDDEN = dict(arch="qwen3_moe", hidden=260, moe_intermediate=256, num_experts=8, top_k=2, bits=3,
+                  codebook="mcg")  # hidden % 8 = 4: x's last 16-byte piece is read by column
+
+
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 1024), ("qwen3-30b-shape-k4-mcg", 4096),
+                                    ("hidden-intermediate-4096", 300), ("two-groups-k3-k5", 1000), ("odd-hidden", 900)])
+def test_input_rotation_on_tensor_cores_matches_the_shuffle_rotation(synthetic, tmp_path, name, m, monkeypatch):
+    """Warpgroup-MMA route blocks rotate their input on the tensor cores (moe.INPUT_ROTATION_MMA: a warp per 8
+    routes, their two planes as the MMAs' rows, kernels.hadamard_mma; suh prescaled by 2^suh_shift): the launched
+    kernel is that config, and y is within fp16 rounding of the shuffle rotation's and as close to the fp32
+    reference, with the scratch NaN-poisoned (hidden 260: the zero columns past x)."""
+    if name == "odd-hidden":
+        reader = exl3tool.open_checkpoint(write_checkpoint(tmp_path, num_layers=1, vocab=256, head_bits=16,
+                                                           embeddings=False, **ODD_HIDDEN))
+    else:
+        reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    k = dmoe.route.routes_per_token
+    outs = {}
+    for mma in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(moe_ops, "INPUT_ROTATION_MMA", mma)
+            plan = plan_moe(dmoe, m)
+            step = plan.step(m, False)
+            block_rows = step.shape.block_rows
+            assert moe_ops.uses_wgmma(block_rows, plan.arch)
+            order = moe_ops.x_order(block_rows, False, True)
+            launched = [fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
+            for g in dmoe.groups:
+                assert 1 / 2 <= max(g.gate_suh.abs().max(), g.up_suh.abs().max()) * 2.0 ** g.suh_shift <= 1
+                want = (RouteInputRotationConfig("float16", k, x_order=order, hadamard="mma", suh_shift=g.suh_shift)
+                        if mma else plan.input_rotation(g, True, order, *moe_ops.input_rotation_layout(
+                            m, dmoe.hidden_padded // 128, k, plan.sm_count)))
+                assert want.hadamard == ("mma" if mma else "shuffle")
+                assert moe_ops.K.compiled(want, plan.arch) in launched
+            poison(plan)
+            outs[mma] = moe_forward(x, plan).clone(), routes(plan, m)[0].clone(), routes(plan, m)[1].clone()
+    (mma, ids, weights), (shuffle, ids_shuffle, _) = outs[True], outs[False]
+    assert torch.equal(ids, ids_shuffle) and torch.isfinite(mma).all()
+    want = reference_given(reader, moe, x, ids.long(), weights)
+    if name == "odd-hidden":
+        reader.close()
+    assert rel(mma, shuffle) < 1e-3 and rel(mma, want) < 1.2 * rel(shuffle, want) + 1e-4, (
+        rel(mma, shuffle), rel(mma, want), rel(shuffle, want))
+
+
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 1024), ("k3.5-mul1-shared-gated", 64),
                                     ("two-groups-k3-k5", 40)])
 def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatch):
     """The route input rotation with 8 values a lane (a warp per two 128-blocks, 16-byte x and X; with hidden 384 a
     half-warp past the last block stores nothing) and a token's slots split over 1, 2 or 4 CTAs writes the same X
     as with 4 values a lane, so y is bit-identical; the launched kernel is the planned config."""
+    monkeypatch.setattr(moe_ops, "INPUT_ROTATION_MMA", False)  # the shuffle rotation's layouts
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     k = dmoe.route.routes_per_token
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
