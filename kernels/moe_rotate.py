@@ -37,10 +37,9 @@ from .rotate import (
     load_row,
     row_values,
     store4,
-    store_at,
     store_x_values,
 )
-from .trellis import STAGE_K, wgmma_swizzled_piece
+
 
 @cute.jit
 def row_words(mX: cute.Tensor, row: Int32, col0: Int32):
@@ -68,16 +67,9 @@ def suh_words(mSuh: cute.Tensor, row, col0):
 
 def store_run(x_addr, row, rows, width, col0, values, x_order: str):
     """A thread's run (``hadamard_mma``: 32 Float32, piece i at columns ``col0 + 32i ..``, col0 the block's first
-    column plus 8q) of row ``row`` of a GEMM input X of ``rows`` x ``width`` at ``x_addr`` as fp16, four 16-byte
-    stores: in rows order, or in stages order (``trellis.x_stages_index``: 64-column chunks, pieces swizzled)."""
+    column plus 8q) of row ``row`` of a GEMM input X (``store_x_values``): four 16-byte stores."""
     for i in range(4):
-        col = col0 + 32 * i
-        if x_order == "stages":
-            addr = x_addr + Int64((col // STAGE_K) * rows + row) * (2 * STAGE_K) + (
-                wgmma_swizzled_piece(row, (col % STAGE_K) // 8) << 4)
-        else:
-            addr = x_addr + (Int64(row) * width + col) * 2
-        store_at(addr, values[8 * i:8 * i + 8], "float16")
+        store_x_values(x_addr, row, rows, width, col0 + 32 * i, values[8 * i:8 * i + 8], x_order)
 
 
 ROWS_PER_CTA = 4  # one warp per row
