@@ -144,4 +144,3 @@ def split_product(x, s):
     hi = _pack(xl * sl, xh * sh)
     hl, hh = _halves(hi)
     return hi, _pack(xl * sl - hl, xh * sh - hh)
-

@@ -3,7 +3,7 @@
 Layout ("runs"): thread (g, q) of a warp holds rows g and g + 8 of the 16 and, of the 128-column block, the four
 16-byte pieces ``32i + 8q .. 32i + 8q + 7`` (i < 4), in and out: its run value ``j = 8i + u`` is column
 ``run_column(q, j) = 32i + 8q + u``. A warp's 16-byte access to piece i then covers 64 contiguous bytes of each
-fp16 row it touches (whole 32-byte sectors). With ``j = 4b + 2h + e``:
+fp16 row it touches (whole 32-byte sectors). Below, ``j = 4b + 2h + e``.
 
 The Sylvester H128 is a product over the bits of the column index, ``H[c, c'] = (-1)^popcount(c & c')``, so it
 splits into an H16 over column bits (4, 3, 1, 0) = (q, h, e) and an H8 over bits (6, 5, 2) = b. The H16 part runs
@@ -22,7 +22,7 @@ runs the very fragment plan the kernels use.
 
 from .rotate import INV_SQRT_128
 
-RUN = 32  # columns of a row a thread holds: 32q .. 32q+31
+RUN = 32  # columns of a row a thread holds (run_column)
 ONE_F16 = 0x3C00  # 1.0; the sign bit makes -1.0
 
 
@@ -95,7 +95,8 @@ def _finish(z, scale: float):
 
 def hadamard128_f16(hi, lo, lane, ops, zero, scale):
     """``hi[r][w]``, ``lo[r][w]``: fp16x2 words of the thread's rows g + 8r, word w = run values 2w, 2w + 1 (w =
-    2b + h). Returns each row's H128 (orthonormal) of hi + lo, times ``scale`` (a float), as run values ``out[r][j]``."""
+    2b + h). Returns each row's H128 (orthonormal) of hi + lo, times ``scale`` (a float), as run values
+    ``out[r][j]``."""
     fragments = f16_fragments(lane)
     z = [[[[None] * 8 for _ in range(2)] for _ in range(2)] for _ in range(2)]
     for b in range(8):

@@ -290,9 +290,9 @@ def test_intermediate_silu_takes_the_approximate_reciprocal():
 @pytest.mark.parametrize("routes,x_order,shift", [(8, "stages", 6), (9, "rows", 0), (3, "stages", -1)])
 def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, arch):
     """The route input rotation a warp per 8 routes (hadamard "mma"; their gate and up planes as the MMAs' 16
-    rows): both planes' H128s as 2 x 2 x 8 fp16 MMAs from exact hi/lo splits of x * suh (suh scaled by 2^shift in registers unless shift is 0), no
-    shuffle; every load before the first store; under 128 registers (4 CTAs of 4 warps an SM), no spills; fp16
-    x and X in rows or stages order only."""
+    rows): both planes' H128s as 2 x 2 x 8 fp16 MMAs from exact hi/lo splits of x * suh (suh scaled by 2^shift
+    in registers unless shift is 0), no shuffle; every load before the first store; at most 128 registers (4 CTAs
+    of 4 warps an SM), no spills; fp16 x and X in rows or stages order only."""
     from exl3tool import sass
 
     cfg = RouteInputRotationConfig("float16", routes, x_order=x_order, hadamard="mma", suh_shift=shift)
