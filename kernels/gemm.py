@@ -97,6 +97,8 @@ class GemmConfig:
     # barrier per stage, so a warp waits only for the data it reads and for the stage it refills, which every warp
     # released a chunk before.
     mbarriers: bool = False
+    # PDL: let the next kernel in the stream launch right after this one's wait (``ptx.wait_for_prior_kernels``)
+    early_next: bool = False
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -271,7 +273,7 @@ class TrellisGemm(DecodeGemmKernel):
         mCounter: cute.Tensor,
         mSuh: cute.Tensor,
     ):
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         cfg, plan = self.cfg, self.plan
         tid, _, _ = cute.arch.thread_idx()
         bn, bm, split = cute.arch.block_idx()

@@ -21,6 +21,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 # before it in the stream finishes, and waits for that kernel's writes (``wait_for_prior_kernels``) before it
 # reads or writes anything another kernel touches. Set while a kernel is traced for such an arch.
 _PDL = contextvars.ContextVar("exl3tool_pdl", default=False)
+# A kernel may let the next one in the stream launch right after its own wait (``early_next`` in its config:
+# ``griddepcontrol.launch_dependents``) instead of as its CTAs exit; that one's CTAs then take the SM room this one
+# leaves and wait in turn. Only the timing changes: every kernel still waits before touching what others write.
 
 
 @contextlib.contextmanager
@@ -38,13 +41,16 @@ def pdl_launch() -> dict:
     return {"use_pdl": True} if _PDL.get() else {}
 
 
-def wait_for_prior_kernels() -> None:
+def wait_for_prior_kernels(early_next: bool = False) -> None:
     """``griddepcontrol.wait`` under PDL: the kernel before this one in the stream has finished and its writes
-    are visible. Every kernel calls it first, before any global access: another kernel may have written anything
-    it reads, weights included (prefetching the decode GEMM's first weight stages before it measured no faster on
-    the H200). Traced inline; nothing without PDL."""
+    are visible; then, with ``early_next``, ``griddepcontrol.launch_dependents``. Every kernel calls it first,
+    before any global access: another kernel may have written anything it reads, weights included (prefetching the
+    decode GEMM's first weight stages before it measured no faster on the H200, docs/perf.md). Traced inline;
+    nothing without PDL."""
     if _PDL.get():
         cute.arch.griddepcontrol_wait()
+        if early_next:
+            cute.arch.griddepcontrol_launch_dependents()
 
 
 def _u32(value: int) -> str:

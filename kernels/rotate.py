@@ -289,6 +289,8 @@ class InputRotationConfig:
     in_dtype: str  # "float16" | "bfloat16"
     x_order: str = "rows"  # the GEMM's X column order (GemmConfig.x_order)
     lane_values: int = INPUT_LANE_VALUES
+    # PDL: let the next kernel in the stream launch right after this one's wait (``ptx.wait_for_prior_kernels``)
+    early_next: bool = False
 
     def __post_init__(self):
         if self.x_order not in X_ORDERS:
@@ -314,7 +316,7 @@ class InputRotation:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mSuh: cute.Tensor, mXr: cute.Tensor):
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         n = self.cfg.lane_values
         row, lane, col0, exists = rotation_thread(n, mSuh.shape[0] // 128)
         if row < mX.shape[0]:
@@ -329,6 +331,8 @@ class OutputRotationConfig:
     partial_dtype: str = "float32"  # "float16" when the partials come from a dequantize + cuBLAS GEMM
     has_bias: bool = False
     lane_values: int = OUTPUT_LANE_VALUES
+    # PDL: let the next kernel in the stream launch right after this one's wait (``ptx.wait_for_prior_kernels``)
+    early_next: bool = False
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
@@ -351,7 +355,7 @@ class OutputRotation:
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor):
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         n = self.cfg.lane_values
         row, lane, col0, exists = rotation_thread(n, mP.shape[2] // 128)
         if row < mP.shape[1]:

@@ -16,7 +16,8 @@ from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import launch
 from exl3tool.ops.fold import fold_builder
 from exl3tool.ops.runtime import compile_with_ptx
-from helpers import assert_waits_before_global_access
+from exl3tool.ops.targets import WGMMA_LAYOUT
+from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile
 
@@ -221,3 +222,23 @@ def test_kernels_wait_for_the_kernel_before_them_under_pdl(config, arch):
     """Every dense kernel kind waits for the kernel before it under PDL (``helpers``: the rule and its check)."""
     build = fold_builder if isinstance(config, FoldConfig) else launch.BUILDERS[type(config)]
     assert_waits_before_global_access(compile_with_ptx(lambda options: build(config, options), arch), arch)
+
+
+@pytest.mark.parametrize("config,arch", [(InputRotationConfig("float16", "stages"), "sm_90a"),
+                                         (OutputRotationConfig("float16"), "sm_90a"),
+                                         (GemmConfig(bits=4.0, codebook="mcg", token_groups=8, **WGMMA_LAYOUT), "sm_90a"),
+                                         (InputRotationConfig("float16", "fragments"), "sm_80")],
+                         ids=["input-rotation", "output-rotation", "wgmma-gemm", "input-rotation-sm80"])
+def test_early_next_lets_the_next_kernel_launch_right_after_the_wait(config, arch):
+    """``early_next``: one griddepcontrol.launch_dependents, right after the kernel's wait and before any global
+    access; none without it (the next kernel then launches as this one's CTAs exit) and none on SM80."""
+    build = launch.BUILDERS[type(config)]
+    for early in (False, True):
+        ptx = compile_with_ptx(lambda options: build(replace(config, early_next=early), options), arch)
+        assert_waits_before_global_access(ptx, arch)
+        if arch == "sm_80" or not early:
+            assert "launch_dependents" not in ptx
+            continue
+        wait, trigger = ptx.index(PDL_WAIT), ptx.index("griddepcontrol.launch_dependents;")
+        assert ptx.count("griddepcontrol.launch_dependents;") == 1 and wait < trigger
+        assert not GLOBAL_ACCESS.search(ptx[wait:trigger]) and "cp.async" not in ptx[:trigger]

@@ -101,6 +101,12 @@ class DeviceLinear:
         return self.info.name
 
 
+# Which kernels of a warpgroup-MMA linear (M = WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS) let the next one launch right
+# after their own wait (PDL, ``early_next``): "none", "input" (the input rotation, so the GEMM's CTAs are resident
+# when it ends) or "all" (the GEMM and the output rotation too).
+EARLY_NEXT = "input"
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     config: GemmConfig
@@ -216,7 +222,8 @@ class LinearPlan:
             # One token: the GEMM rotates x itself (one launch for the whole linear).
             rotated_input = _DTYPE_NAMES[in_dtype] if path == "gemm" and tokens == 1 else None
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
-                                       has_bias=lin.bias is not None and output is not None, input=rotated_input)
+                                       has_bias=lin.bias is not None and output is not None, input=rotated_input,
+                                       early_next=EARLY_NEXT == "all" and uses_wgmma(tokens, arch))
             x_order = self.gemm_plan.config.x_order
             rows = ((x_rows(tokens, self.gemm_plan.config), x_row_halves(info.in_padded, x_order)), torch.float16)
             xr, partials = scratch.views(device, rows,
@@ -234,7 +241,9 @@ class LinearPlan:
                     return
                 fused = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
                 self.gemm = lambda x, y: fused(y)
-        rotation = InputRotationConfig(_DTYPE_NAMES[in_dtype], "rows" if self.gemm is None else x_order)
+        early = EARLY_NEXT != "none" and self.gemm is not None and self.gemm_plan.config.mma == "wgmma"
+        rotation = InputRotationConfig(_DTYPE_NAMES[in_dtype], "rows" if self.gemm is None else x_order,
+                                       early_next=early)
         self.rotate_in = launch.input_rotation_launcher(launch.compiled(rotation, arch), lin.suh, xr)
 
     def _plan_fold(self, lin: DeviceLinear, tokens: int, in_dtype: torch.dtype, arch: str) -> None:
@@ -260,7 +269,8 @@ class LinearPlan:
         self.folded_matmul = matmul
 
     def _rotate_out(self, lin: DeviceLinear, partials: torch.Tensor, arch: str) -> None:
-        cfg = OutputRotationConfig(_DTYPE_NAMES[self.out_dtype], _DTYPE_NAMES[partials.dtype], lin.bias is not None)
+        cfg = OutputRotationConfig(_DTYPE_NAMES[self.out_dtype], _DTYPE_NAMES[partials.dtype], lin.bias is not None,
+                                   early_next=EARLY_NEXT == "all" and uses_wgmma(partials.shape[1], arch))
         self.rotate_out = launch.output_rotation_launcher(launch.compiled(cfg, arch), partials, lin.svh, lin.bias)
 
     @property

@@ -412,3 +412,45 @@ def test_plans_are_made_once_per_shape_dtype_and_path(seed):
     assert ops.plan_for(lin, x1.clone()) is plan
     assert ops.plan_for(lin, x5) is not plan and ops.plan_for(lin, x1, torch.float32) is not plan
     assert ops.plan_for(lin, x1, path="dequant").path == "dequant" and plan.path == ops.choose_path(1, lin)
+
+
+@pytest.mark.parametrize("policy", ["input", "all"])
+@pytest.mark.parametrize("tokens", [40, 64, 200])
+def test_early_starts_change_no_bit_in_a_chain(seed, tokens, policy, monkeypatch):
+    """Warpgroup-MMA linears whose kernels let the next one launch right after their own wait (linear.EARLY_NEXT).
+    Four linears in a chain (each y is the next x, so a kernel that read x before the one before it finished would
+    show), graph-replayed with every output NaN-poisoned first: bit-identical to the chain run eagerly without
+    early starts."""
+    if not ops.has_wgmma(ops.target_arch("cuda")):
+        pytest.skip("warpgroup MMA needs sm_90a")
+    lins = [device_linear(seed + i, 1024, 1024, 4.0, "mcg")[1] for i in range(4)]
+    x = torch.randn(tokens, 1024, dtype=torch.float16, device="cuda")
+
+    def chain(outs):
+        y = x
+        for lin, out in zip(lins, outs):
+            y = ops.linear_forward(y, lin, out=out)
+        return y
+
+    monkeypatch.setattr(ops, "EARLY_NEXT", "none")
+    for lin in lins:
+        lin.plans.clear()
+    want = chain([poisoned((tokens, 1024), torch.float16) for _ in lins]).clone()
+    plans_off = [dict(lin.plans) for lin in lins]  # keep their scratch alive
+
+    monkeypatch.setattr(ops, "EARLY_NEXT", policy)
+    for lin in lins:
+        lin.plans.clear()
+    outs = [poisoned((tokens, 1024), torch.float16) for _ in lins]
+    assert torch.equal(chain(outs), want)  # eager (compiles)
+    plan = ops.plan_for(lins[0], x)
+    assert plan.gemm_plan.config.mma == "wgmma" and plan.gemm_plan.config.early_next == (policy == "all")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain(outs)
+    for _ in range(3):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(y, want)
+    assert not want.isnan().any() and plans_off
