@@ -80,8 +80,14 @@ def test_synthetic_moe_block(cpu_bench):
     assert one.weight_bytes == 2 * per_expert and many.weight_bytes == 8 * per_expert
     assert one.flops == 2 * 2 * 3 * 256 * 128  # one token, two routes, three linears
     status = {(r.implementation, r.mode): r.status for r in one.results}
-    assert status == {("per-expert", "graph"): "eager-only", ("per-expert", "eager"): "ok"}
-    assert all(r.check.passed for r in one.results)
+    assert status == {("per-expert", "graph"): "eager-only", ("per-expert", "eager"): "ok",
+                      (C.SAME_FLOPS_GEMM, "graph"): "ok", (C.SAME_FLOPS_GEMM, "eager"): "ok"}
+    assert all(r.check.passed for r in one.results if r.implementation == "per-expert")
+    # the yardstick: the block's FLOPs in one GEMM of its routes' rows (2 x 64 x 256 @ 256 x 384), timed, unchecked
+    gemm = [r for r in many.results if r.implementation == C.SAME_FLOPS_GEMM]
+    assert all(r.check is None and r.timing is not None for r in gemm)
+    assert "[128, 256] @ [256, 384]" in gemm[0].note and 2 * 128 * 256 * 384 == many.flops
+    assert {r.mode: r.vs for r in many.results if r.implementation == "per-expert"}["eager"][C.SAME_FLOPS_GEMM] == 1
 
 
 def test_model_layer(cpu_bench):

@@ -50,6 +50,7 @@ class Impl:
     weight_bytes: int  # streamed per call
     capturable: bool = True
     note: str = ""
+    checked: bool = True  # False: a yardstick whose output is not the case's: timed, not checked
 
 
 @dataclass
@@ -292,9 +293,7 @@ class MoEGroup:
         routes = indices.numel()
         touched_bytes = sum(self.expert_bytes[e] for e in touched) + self.shared_bytes
         e0 = b.experts[0]
-        flops = routes * sum(linear_flops(1, i.in_features, i.out_features) for i in e0.linears)
-        if b.shared_experts is not None:
-            flops += sum(linear_flops(tokens, i.in_features, i.out_features) for i in b.shared_experts.linears)
+        flops = moe_flops(b, tokens)
         hidden = self.router.shape[1]
         case = Case("moe", self.name, hidden, hidden, _same(b.linears, "bits"), _same(b.linears, "codebook"),
                     tokens, touched_bytes, floor_us(touched_bytes, ctx.copy_tbs), flops,
@@ -305,6 +304,16 @@ class MoEGroup:
         impls = [(name, _bind_moe(make, self, x, copies, touched_bytes)) for name, make in MOE_IMPLEMENTATIONS.items()
                  if name not in OPTIONAL_PEERS or name in ctx.peers]
         return Setup(case, ref, impls)
+
+
+def moe_flops(block: MoEBlock, tokens: int) -> int:
+    """FLOPs of a MoE block at ``tokens``: each routed expert's three linears per route, the shared experts' per
+    token (the router left out)."""
+    e0 = block.experts[0]
+    flops = tokens * block.routing.top_k * sum(linear_flops(1, i.in_features, i.out_features) for i in e0.linears)
+    if block.shared_experts is not None:
+        flops += sum(linear_flops(tokens, i.in_features, i.out_features) for i in block.shared_experts.linears)
+    return flops
 
 
 def _bind_moe(make, group, x, copies, nbytes):
@@ -346,8 +355,23 @@ def _moe_exllamav3(g: MoEGroup, x, copies, nbytes):
     return Impl("exllamav3", lambda c: models[c][1](x), copies, nbytes)
 
 
+def _moe_same_flops_gemm(g: MoEGroup, x, copies, nbytes):
+    """Issue 8's yardstick at large M: the block's FLOPs as one dense fp16 GEMM in torch, [routes, hidden] @
+    [hidden, N] (N = 3 x intermediate without shared experts) on random operands; not the block's output."""
+    routes, hidden = x.shape[0] * g.block.routing.top_k, x.shape[1]
+    n = max(1, round(moe_flops(g.block, x.shape[0]) / linear_flops(routes, hidden, 1)))
+    gen = torch.Generator(device=x.device).manual_seed(g.ctx.seed)
+    a = torch.randn(routes, hidden, generator=gen, device=x.device).to(x.dtype)
+    w = torch.randn(hidden, n, generator=gen, device=x.device).to(x.dtype)
+    return Impl(SAME_FLOPS_GEMM, lambda c: a @ w, 1, w.numel() * w.element_size(), checked=False,
+                note=f"[{routes}, {hidden}] @ [{hidden}, {n}] {str(x.dtype).removeprefix('torch.')}: "
+                     "the block's FLOPs in one torch GEMM (timed, not checked: not the block's output)")
+
+
+SAME_FLOPS_GEMM = "fp16 GEMM, same FLOPs"
 MOE_IMPLEMENTATIONS = {
     "per-expert": _moe_per_expert,  # exl3tool.ops.blocks.moe_forward: the dense kernels once per routed expert
     "fused": _moe_fused,  # exl3tool.ops.moe: routing, grouped decode GEMMs and the top-k sum on the GPU
     "exllamav3": _moe_exllamav3,  # its BlockSparseMLP
+    SAME_FLOPS_GEMM: _moe_same_flops_gemm,  # the yardstick of issue 8's M=4096 target (1.5x its time)
 }

@@ -47,6 +47,12 @@ def test_synthetic_moe_block():
         _timed(rows["per-expert", "eager"])
         _timed(rows["fused", "graph"])
         _timed(rows["fused", "eager"])
+        for mode in ("graph", "eager"):  # the same-FLOPs GEMM: timed, not checked, a ratio on the fused row
+            gemm = rows["fp16 GEMM, same FLOPs", mode]
+            assert gemm["status"] == "ok" and gemm["check"] is None and gemm["copies"] == 1
+            assert 0 < gemm["min_us"] <= gemm["median_us"] and gemm["tflops"] > 0
+            assert rows["fused", mode]["vs"]["fp16 GEMM, same FLOPs"] == pytest.approx(
+                gemm["median_us"] / rows["fused", mode]["median_us"])
 
 
 def test_real_layer_linears_and_block():
