@@ -103,7 +103,10 @@ class DeviceLinear:
 
 # Which kernels of a warpgroup-MMA linear (M = WGMMA_MIN_TOKENS..WGMMA_MAX_TOKENS) let the next one launch right
 # after their own wait (PDL, ``early_next``): "none", "input" (the input rotation, so the GEMM's CTAs are resident
-# when it ends) or "all" (the GEMM and the output rotation too).
+# when it ends) or "all" (the GEMM and the output rotation too). H200, K=4 mcg, graph, y bit-identical, us (none ->
+# input -> all): 4096x14336 M=64 35.6 -> 35.3 -> 35.3, M=256 60.1 -> 59.6 -> 59.4; 14336x4096 M=40 33.7 -> 33.1 ->
+# 33.4, M=64 34.8 -> 33.9 -> 34.3. Not before the one-wave mma.sync GEMMs of M <= 32: with every kernel starting the
+# next early, M=1 20.6 -> 24.6 and M=16 26.9 -> 31.8 (docs/perf.md, eighteenth session).
 EARLY_NEXT = "input"
 
 
