@@ -110,6 +110,12 @@ class DeviceLinear:
 EARLY_NEXT = "input"
 
 
+def early_next(kernel: str, tokens: int, arch: str) -> bool:
+    """Does the linear's ``kernel`` ("input", "gemm" or "output") let the next one launch right after its own wait
+    (EARLY_NEXT), at ``tokens`` on ``arch``?"""
+    return uses_wgmma(tokens, arch) and (EARLY_NEXT == "all" or (EARLY_NEXT == "input" and kernel == "input"))
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     config: GemmConfig
@@ -226,7 +232,7 @@ class LinearPlan:
             rotated_input = _DTYPE_NAMES[in_dtype] if path == "gemm" and tokens == 1 else None
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
                                        has_bias=lin.bias is not None and output is not None, input=rotated_input,
-                                       early_next=EARLY_NEXT == "all" and uses_wgmma(tokens, arch))
+                                       early_next=early_next("gemm", tokens, arch))
             x_order = self.gemm_plan.config.x_order
             rows = ((x_rows(tokens, self.gemm_plan.config), x_row_halves(info.in_padded, x_order)), torch.float16)
             xr, partials = scratch.views(device, rows,
@@ -244,9 +250,8 @@ class LinearPlan:
                     return
                 fused = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
                 self.gemm = lambda x, y: fused(y)
-        early = EARLY_NEXT != "none" and self.gemm is not None and self.gemm_plan.config.mma == "wgmma"
         rotation = InputRotationConfig(_DTYPE_NAMES[in_dtype], "rows" if self.gemm is None else x_order,
-                                       early_next=early)
+                                       early_next=early_next("input", tokens, arch))
         self.rotate_in = launch.input_rotation_launcher(launch.compiled(rotation, arch), lin.suh, xr)
 
     def _plan_fold(self, lin: DeviceLinear, tokens: int, in_dtype: torch.dtype, arch: str) -> None:
@@ -273,7 +278,7 @@ class LinearPlan:
 
     def _rotate_out(self, lin: DeviceLinear, partials: torch.Tensor, arch: str) -> None:
         cfg = OutputRotationConfig(_DTYPE_NAMES[self.out_dtype], _DTYPE_NAMES[partials.dtype], lin.bias is not None,
-                                   early_next=EARLY_NEXT == "all" and uses_wgmma(partials.shape[1], arch))
+                                   early_next=early_next("output", partials.shape[1], arch))
         self.rotate_out = launch.output_rotation_launcher(launch.compiled(cfg, arch), partials, lin.svh, lin.bias)
 
     @property
