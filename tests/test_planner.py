@@ -124,12 +124,10 @@ def test_warpgroup_mma_where_the_target_has_it(monkeypatch):
 def test_early_next_only_around_warpgroup_mma_gemms(monkeypatch):
     """linear.EARLY_NEXT: "input" lets only the input rotation of a warpgroup-MMA linear (M 33..256 on sm_90a)
     start the GEMM early; "all" its GEMM and output rotation too; never at M <= 32 or without warpgroup MMAs."""
-    from exl3tool.ops import linear
-
     kernels = ("input", "gemm", "output")
     for policy, wanted in (("none", ()), ("input", ("input",)), ("all", kernels)):
-        monkeypatch.setattr(linear, "EARLY_NEXT", policy)
+        monkeypatch.setattr(linear_ops, "EARLY_NEXT", policy)
         for tokens in (1, 16, 32, 33, 64, 256, 257):
             for arch in ("sm_90a", "sm_120a"):
                 on = 33 <= tokens <= 256 and arch == "sm_90a"
-                assert [linear.early_next(k, tokens, arch) for k in kernels] == [on and k in wanted for k in kernels]
+                assert [linear_ops.early_next(k, tokens, arch) for k in kernels] == [on and k in wanted for k in kernels]
