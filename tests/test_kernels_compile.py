@@ -224,9 +224,11 @@ def test_kernels_wait_for_the_kernel_before_them_under_pdl(config, arch):
     assert_waits_before_global_access(compile_with_ptx(lambda options: build(config, options), arch), arch)
 
 
+WGMMA_GEMM = GemmConfig(bits=4.0, codebook="mcg", token_groups=8, **WGMMA_LAYOUT)
+
+
 @pytest.mark.parametrize("config,arch", [(InputRotationConfig("float16", "stages"), "sm_90a"),
-                                         (OutputRotationConfig("float16"), "sm_90a"),
-                                         (GemmConfig(bits=4.0, codebook="mcg", token_groups=8, **WGMMA_LAYOUT), "sm_90a"),
+                                         (OutputRotationConfig("float16"), "sm_90a"), (WGMMA_GEMM, "sm_90a"),
                                          (InputRotationConfig("float16", "fragments"), "sm_80")],
                          ids=["input-rotation", "output-rotation", "wgmma-gemm", "input-rotation-sm80"])
 def test_early_next_lets_the_next_kernel_launch_right_after_the_wait(config, arch):

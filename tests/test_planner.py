@@ -130,4 +130,5 @@ def test_early_next_only_around_warpgroup_mma_gemms(monkeypatch):
         for tokens in (1, 16, 32, 33, 64, 256, 257):
             for arch in ("sm_90a", "sm_120a"):
                 on = 33 <= tokens <= 256 and arch == "sm_90a"
-                assert [linear_ops.early_next(k, tokens, arch) for k in kernels] == [on and k in wanted for k in kernels]
+                got = [linear_ops.early_next(k, tokens, arch) for k in kernels]
+                assert got == [on and k in wanted for k in kernels], (policy, tokens, arch)
