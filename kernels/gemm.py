@@ -334,7 +334,6 @@ class TrellisGemm(DecodeGemmKernel):
             counter = mCounter.iterator.toint() + Int64(slot) * 4
             ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
             if sLast[0] != 0:
-                ptx.fence_gpu()  # acquire: every other CTA's partials of this block are visible now
                 for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                     row = tok0 + r * cfg.warps + warp
                     if row < tokens:

@@ -260,7 +260,6 @@ class MoEGemm(DecodeGemmKernel):
                 counter = mCounter.iterator.toint() + (Int64(blk) * (n_col_tiles // 8) + block) * 4
                 ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
                 if sLast[0] != 0:
-                    ptx.fence_gpu()  # acquire: every split's and plane's partials of this block are visible
                     if cutlass.const_expr(cfg.input is not None):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
@@ -280,7 +279,6 @@ class MoEGemm(DecodeGemmKernel):
                 ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
                              0, tid)
                 if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
-                    ptx.fence_gpu()  # acquire: every route's partials of this block are visible
                     topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0, block,
                                    warp, cfg.warps, lane)
                     if tid == 0:

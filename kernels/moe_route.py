@@ -17,7 +17,7 @@ slice or the hidden dim are zero-filled; 16-byte copies, or (a second copy of th
 hidden % 8 != 0 leaves rows only 8-byte aligned. The warps synchronise only among their own lanes until each
 parks its partial tile in its ring.
 
-The last CTA of token block b to finish (device-scope fence + arrival counter, ``ptx.count_in``) turns those
+The last CTA of token block b to finish (device-scope arrival counter, ``ptx.count_in``) turns those
 tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token (warp w: tokens w, w+8, .. of the
 block, their loads issued together and their selections as independent straight-line chains):
   softmax_topk      softmax over the experts, top-k, optional renormalisation, times ``scale``
@@ -150,7 +150,7 @@ def tiles_for(tokens: int) -> dict:
 
 @dsl_user_op
 def ld_cg_f32(gmem_addr, *, loc=None, ip=None) -> Float32:
-    """One fp32 another CTA of this launch wrote (after a fence): from L2, never a stale L1 line."""
+    """One fp32 another CTA of this launch wrote (after ``count_in``): from L2, never a stale L1 line."""
     return Float32(llvm.inline_asm(T.f32(), [Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.f32 $0, [$1];",
                                    "=f,l", has_side_effects=True, loc=loc, ip=ip))
 
@@ -275,7 +275,6 @@ class MoERoute:
         counter = mCounters.iterator.toint() + Int64(tb) * 4
         ptx.count_in(counter, n_chunks, sFlag, 0, tid)
         if sFlag[0] != 0:
-            ptx.fence_gpu()
             self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single,
                        tb * cfg.token_tile + warp, tokens, lane)
             if tid == 0:
@@ -289,7 +288,6 @@ class MoERoute:
                 last = mCounters.iterator.toint() + Int64(n_tb) * 4
                 ptx.count_in(last, n_tb, sFlag, 1, tid)
                 if sFlag[1] != 0:
-                    ptx.fence_gpu()
                     self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag,
                               sScan, tid, False)
                     if tid == 0:

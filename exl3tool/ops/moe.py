@@ -122,7 +122,7 @@ MBARRIER_MIN_ROWS = 320
 # bit-identical: M=4096 1130.1 / 1142.7 -> 1113.8 / 1128.7 us (GEMMs 687.2 -> 671.5).
 SKIP_PADDING_TAIL = True
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
-# rows, when its grid is one wave: every CTA's arrival fence and counter, and the last one's serial tail, then
+# rows, when its grid is one wave: every CTA's arrival at the counter, and the last one's serial tail, then
 # overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
 # (2.6+ waves) 127.5 -> 133.5 and 196.3 -> 204.4 (kept as a launch there).
 FUSED_INTERMEDIATE_ROWS = 8
