@@ -12,6 +12,7 @@ import pytest
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops.moe import (
     _per_split,
+    expected_blocks,
     input_rotation_layout,
     intermediate_blocks_per_warp,
     intermediate_config,
@@ -85,12 +86,18 @@ def test_block_rows_grow_with_the_routes_per_expert():
     assert one.blocks == 1 + 8 and one.splits13 > 1 and one.splits2 > 1  # M=1 splits K to fill the SMs
 
 
-def test_the_intermediate_is_fused_only_into_a_one_wave_gate_up_grid():
-    """The gate/up GEMM takes over the intermediate step only where its grid is one wave of 8 CTAs per SM (H200:
-    M=1 faster, M=16 slower), so at decode for this layer, and at M=2 too on a GPU with many more SMs."""
+def test_the_intermediate_is_fused_only_into_a_short_gate_up_grid():
+    """The gate/up GEMM takes over the intermediate step only where its grid, counted over the blocks uniform routing
+    is expected to use, is at most 1.25 waves of 8 CTAs per SM (H200: M=1-3 and 5-8 faster, M=4 at 2 K splits and
+    M=9 on slower), so at decode for this layer, and at M=16 too on a GPU with many more SMs."""
     d = moe()
-    assert [m for m in (1, 2, 4, 16, 64, 256, 4096) if step_shape(d, m, 132).fused_intermediate] == [1]
-    assert step_shape(d, 2, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate
+    assert [m for m in range(1, 17) if step_shape(d, m, 132).fused_intermediate] == [1, 2, 3, 5, 6, 7, 8]
+    assert not any(step_shape(d, m, 132).fused_intermediate for m in (64, 256, 4096))
+    assert step_shape(d, 16, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate
+    # the expected blocks: every expert reached, one more per 8 routes beyond, the shared expert's own
+    assert expected_blocks(d.route, 1, 8) == pytest.approx(8)
+    assert expected_blocks(moe(shared="ungated").route, 16, 8) == pytest.approx(
+        128 * (1 - (15 / 16) ** 16) + (128 - 128 * (1 - (15 / 16) ** 16)) / 8 + 2)
 
 
 def test_the_intermediate_takes_two_blocks_a_warp_where_they_divide_the_row():

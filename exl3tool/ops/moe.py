@@ -15,7 +15,7 @@ Per call (no host sync, no allocation; CUDA-graph capturable once each M was run
                 the gate/up GEMM's prologue, into shared memory, no launch)
   3 gate/up     decode GEMM from w13 (split-K partials, fp32)
   4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16 (small route blocks and
-                a one-wave gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
+                a short gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
   5 down        decode GEMM from w2 (split-K partials, fp32)
   6 top-k sum   per token: output rotation * down_svh of each route's expert, weighted, summed in slot order
                 (one token: in the last down GEMM CTA per 128 columns, over every group's launch, no launch)
@@ -122,10 +122,15 @@ MBARRIER_MIN_ROWS = 320
 # bit-identical: M=4096 1130.1 / 1142.7 -> 1113.8 / 1128.7 us (GEMMs 687.2 -> 671.5).
 SKIP_PADDING_TAIL = True
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
-# rows, when its grid is one wave: every CTA's arrival at the counter, and the last one's serial tail, then
-# overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4: M=1 (one wave) 33.1 -> 32.45 us; M=16 and 64
-# (2.6+ waves) 127.5 -> 133.5 and 196.3 -> 204.4 (kept as a launch there).
+# rows, when its grid is short: at most FUSED_INTERMEDIATE_WAVES waves of CTAS_PER_SM a SM, counting the blocks of
+# the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last one's
+# serial tail, then overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold
+# copies, two rounds, y bit-identical, launch -> fused (waves): M=2 38.3 -> 36.9 (1.06), M=3 46.6 -> 44.4 (1.03),
+# M=5 70.0 -> 68.5 (0.82), M=6 76.9 -> 76.1 (0.95), M=7 84.9 -> 80.0 (1.08), M=8 93.4 -> 84.8 (1.21); M=4 59.4 ->
+# 61.0 (1.34, two K splits), M=9 95.1 -> 95.4 (1.33), M=10 98.3 -> 106.6 (1.44), M=12 108.1 -> 113.3 (1.64), M=16
+# 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
+FUSED_INTERMEDIATE_WAVES = 1.25
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
 RESIDENT_INPUT_TOKENS = 1
@@ -389,8 +394,19 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     ctas13 = 2 * i_p // 16 // warps * blocks
     splits13 = _splits(ctas13, dmoe.hidden_padded // 16, stage, sm_count)
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
-    one_wave = ctas13 * splits13 <= CTAS_PER_SM * sm_count
-    return StepShape(tokens, block_rows, blocks, splits13, splits2, block_rows <= FUSED_INTERMEDIATE_ROWS and one_wave)
+    short = 2 * i_p // 16 // warps * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
+        FUSED_INTERMEDIATE_WAVES * CTAS_PER_SM * sm_count)
+    return StepShape(tokens, block_rows, blocks, splits13, splits2, block_rows <= FUSED_INTERMEDIATE_ROWS and short)
+
+
+def expected_blocks(cfg: MoERouteConfig, tokens: int, block_rows: int) -> float:
+    """Route blocks in use when ``tokens`` tokens pick their experts uniformly at random: each expert reached
+    (``E * (1 - (1 - k/E)^M)`` of them, plus the shared expert) takes ceil(its routes / block_rows) of them,
+    about one block per expert reached plus one per block_rows routes beyond."""
+    routes = tokens * cfg.top_k
+    reached = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** tokens)
+    shared = cfg.packed_experts - cfg.num_experts
+    return reached + max(0.0, routes - reached) / block_rows + shared * math.ceil(tokens / block_rows)
 
 
 @dataclass
