@@ -14,7 +14,6 @@ from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
 from exl3tool.ops.moe import gemm_config
 from exl3tool.ops.runtime import compile_with_ptx
-
 from helpers import assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile

@@ -400,9 +400,9 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
 
 
 def expected_blocks(cfg: MoERouteConfig, tokens: int, block_rows: int) -> float:
-    """Route blocks in use when ``tokens`` tokens pick their experts uniformly at random: each expert reached
-    (``E * (1 - (1 - k/E)^M)`` of them, plus the shared expert) takes ceil(its routes / block_rows) of them,
-    about one block per expert reached plus one per block_rows routes beyond."""
+    """Route blocks in use, on average, when ``tokens`` tokens pick their experts uniformly at random: one per
+    expert reached (``E * (1 - (1 - k/E)^M)`` of them), one more per ``block_rows`` routes beyond those, and the
+    shared expert's ``ceil(M / block_rows)``."""
     routes = tokens * cfg.top_k
     reached = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** tokens)
     shared = cfg.packed_experts - cfg.num_experts
