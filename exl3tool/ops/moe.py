@@ -391,10 +391,10 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     # every expert that gets a route needs at most one partly filled block
     blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
     i_p = max(g.intermediate_padded for g in dmoe.groups)
-    ctas13 = 2 * i_p // 16 // warps * blocks
-    splits13 = _splits(ctas13, dmoe.hidden_padded // 16, stage, sm_count)
+    ctas_per_block13 = 2 * i_p // 16 // warps
+    splits13 = _splits(ctas_per_block13 * blocks, dmoe.hidden_padded // 16, stage, sm_count)
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
-    short = 2 * i_p // 16 // warps * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
+    short = ctas_per_block13 * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
         FUSED_INTERMEDIATE_WAVES * CTAS_PER_SM * sm_count)
     return StepShape(tokens, block_rows, blocks, splits13, splits2, block_rows <= FUSED_INTERMEDIATE_ROWS and short)
 
