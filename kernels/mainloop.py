@@ -125,6 +125,11 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
     return copies
 
 
+def weight_copy_count(cfg, plan, threads) -> int:
+    """How many of ``stage_copies``' entries (the first ones) copy weights."""
+    return -(-cfg.k_tiles_per_stage * (cfg.w_row_words // 4) // threads)
+
+
 def swizzled_x_word(cfg, row, part):
     """Shared word (from the stage's start) of 16-byte piece ``part`` of token row ``row`` in the wgmma layout:
     128-byte swizzle atoms of 64 k each, one after the other, piece p of a row at p ^ (row % 8)."""
@@ -217,13 +222,16 @@ def decode_mma_loop(
     prologue: cutlass.Constexpr = None,
     x_rows: Int32 = 0,
     tail_run=None,
+    wait: cutlass.Constexpr = None,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
     which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``.
     In "stages" order ``x_rows`` is X's row count (a whole number of route blocks: no bound on ``tokens``).
     ``tail_run`` (Int32, warpgroup MMAs): zero skips the MMAs of the token groups past the first 256 tokens, whose
-    accumulators then stay as they were."""
+    accumulators then stay as they were. ``wait`` (mma.sync with X staged): the PDL wait, which the loop calls
+    after it has issued the weight copies of the stages it loads ahead and before their X copies (the caller
+    vouches that the weights and ``gW_addr`` need no output of the kernel before)."""
     threads = 32 * cfg.warps
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -246,9 +254,19 @@ def decode_mma_loop(
         cute.arch.sync_threads()
     # Stages loaded ahead: all but the one being decoded, and with wgmma also the one its MMAs still read.
     ahead_stages = cfg.stages - 2 if wgmma else cfg.stages - 1
+    if cutlass.const_expr(wait is not None):
+        # the weights of the stages ahead first (the first commit group holds them all), then the wait, then X
+        w_count = weight_copy_count(cfg, plan, threads)
+        for st in cutlass.range_constexpr(ahead_stages):
+            if st < n_chunks:
+                issue_stage(copies[:w_count], st, st)
+        wait()
+        copies_ahead = copies[w_count:]
+    else:
+        copies_ahead = copies
     for st in cutlass.range_constexpr(ahead_stages):
         if st < n_chunks:
-            issue_stage(copies, st, st)
+            issue_stage(copies_ahead, st, st)
         cute.arch.cp_async_commit_group()
     if cutlass.const_expr(prologue is not None):
         prologue(sX)  # while the first stages load; the main loop's first barrier publishes what it wrote

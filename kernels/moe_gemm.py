@@ -29,6 +29,12 @@ With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k
 padding (``row_route`` -1; a block's routes are its first rows) skips its N = 64 MMAs (a predicate, uniform in
 the warpgroup) and the partials of rows 256 .., which nothing reads.
 
+With ``weights_before_wait`` (down, behind a gate/up GEMM with ``next_after_loop``: each of its CTAs lets this
+launch go once its partials are written) a CTA reads its block's expert and issues its first weight stage before
+its PDL wait, and X's after it: the weights stream in during the gate/up GEMM's fused tail. That GEMM waited for
+the route kernel before it let this one launch, so the block's expert and every kernel before are done. Every CTA
+waits, also one of an unused block, so that this kernel ends after the one before it.
+
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
 intermediate also the group's rotations fp16 ``[E_g, 3*I_p]``, X2 fp16 ``[R, I_p]``, row_route int32 ``[R]``,
@@ -83,6 +89,14 @@ class MoEGemmConfig:
     # Warpgroup MMAs over more than 256 rows: a block whose row 256 is padding (row_route -1; a block's routes
     # are its first rows) skips the MMAs and the partials' stores of rows 256 .. (nothing reads padding rows).
     skip_padding_tail: bool = False
+    # PDL, for the GEMM before one with ``weights_before_wait``: each CTA lets the next kernel launch once its
+    # partials are written (before the fused tail), so that one's CTAs load their weights during that tail.
+    next_after_loop: bool = False
+    # PDL: the CTA reads its route block's expert and issues the weight copies of its first stages before it waits
+    # for the kernel before (``mainloop``'s ``wait``). Only where that kernel waited for the route kernel before it
+    # let this one launch (it waits first, and triggers no earlier than that): then every kernel that wrote the
+    # block's expert or the weights has finished.
+    weights_before_wait: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -97,6 +111,8 @@ class MoEGemmConfig:
             raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
         if self.mma == "wgmma" and (self.input is not None or self.topk_sum is not None):
             raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
+        if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
+            raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
         self.mainloop  # validates the rest, including the shared-memory limit
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
         if self.skip_padding_tail and (self.mma != "wgmma" or self.token_groups <= WGMMA_MAX_GROUPS or self.input):
@@ -190,8 +206,9 @@ class MoEGemm(DecodeGemmKernel):
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
                mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor):
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         cfg, main = self.cfg, self.cfg.mainloop
+        if cutlass.const_expr(not cfg.weights_before_wait):
+            ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
         warp = tid // 32
@@ -243,8 +260,9 @@ class MoEGemm(DecodeGemmKernel):
                 tail_run = None
                 if cutlass.const_expr(cfg.skip_padding_tail):
                     tail_run = cutlass.select_(mRowRoute[tok0 + 8 * WGMMA_MAX_GROUPS] >= 0, Int32(1), Int32(0))
+                wait = ptx.wait_for_prior_kernels if cfg.weights_before_wait else None
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
-                                col_tile0, tok0, rows, k_begin, n_chunks, None, rows, tail_run)
+                                col_tile0, tok0, rows, k_begin, n_chunks, None, rows, tail_run, wait)
                 # P has every row of the block; a skipped tail's rows are left unwritten
                 groups = acc_groups(main, warp)
                 skippable = [cfg.skip_padding_tail and group >= WGMMA_MAX_GROUPS for _, _, group in groups]
@@ -254,6 +272,8 @@ class MoEGemm(DecodeGemmKernel):
                     if tail_run != 0:
                         tail = [g for g, skip in zip(groups, skippable) if skip]
                         store_partials(mP, acc, tail, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
+            if cutlass.const_expr(cfg.next_after_loop):
+                ptx.launch_dependents()
 
             if cutlass.const_expr(cfg.intermediate_splits > 0):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
@@ -283,6 +303,8 @@ class MoEGemm(DecodeGemmKernel):
                                    warp, cfg.warps, lane)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+        elif cutlass.const_expr(cfg.weights_before_wait):
+            ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
 
 
 def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):

@@ -44,13 +44,20 @@ def pdl_launch() -> dict:
 def wait_for_prior_kernels(early_next: bool = False) -> None:
     """``griddepcontrol.wait`` under PDL: the kernel before this one in the stream has finished and its writes
     are visible; then, with ``early_next``, ``griddepcontrol.launch_dependents``. Every kernel calls it first,
-    before any global access: another kernel may have written anything it reads, weights included (prefetching the
-    decode GEMM's first weight stages before it measured no faster on the H200, docs/perf.md). Traced inline;
-    nothing without PDL."""
+    before any global access: another kernel may have written anything it reads, weights included. One exception:
+    the MoE down GEMM behind a gate/up GEMM that waited first (``MoEGemmConfig.weights_before_wait``). Traced
+    inline; nothing without PDL."""
     if _PDL.get():
         cute.arch.griddepcontrol_wait()
         if early_next:
             cute.arch.griddepcontrol_launch_dependents()
+
+
+def launch_dependents() -> None:
+    """``griddepcontrol.launch_dependents`` under PDL: this CTA lets the next kernel in the stream launch (it
+    launches once every CTA has done so or exited). Traced inline; nothing without PDL."""
+    if _PDL.get():
+        cute.arch.griddepcontrol_launch_dependents()
 
 
 def _u32(value: int) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES
+from exl3tool.kernels.mainloop import weight_copy_count
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
@@ -14,7 +15,7 @@ from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
 from exl3tool.ops.moe import gemm_config
 from exl3tool.ops.runtime import compile_with_ptx
-from helpers import assert_waits_before_global_access
+from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -200,6 +201,38 @@ def test_rotations_compile(config):
     assert "st.global.b16" not in ptx and "st.global.u16" not in ptx
 
 
+@pytest.mark.parametrize("topk", [None, TopKSumConfig(8, "float16", 3)], ids=["plain", "topk-sum"])
+@pytest.mark.parametrize("split", [False, True])
+def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
+    """``weights_before_wait`` (the down GEMM behind a gate/up GEMM that does the intermediate): before the PDL wait
+    the CTA reads only its block's expert and group row and issues only the weight copies of its first stage (X,
+    every store and the arrival counter after it); every path waits, an unused block's CTA too."""
+    cfg = dataclasses.replace(gemm_config(4.0, "mcg", 1, 8, split_halves=split, weights_before_wait=True),
+                              topk_sum=topk)
+    main = cfg.mainloop
+    body = ptx_of(cfg, "sm_90a")
+    body = body[body.index(".entry"):]
+    before = body[: body.index(PDL_WAIT)]
+    assert [m.group(0) for m in GLOBAL_ACCESS.finditer(before)] == ["ld.global"] * 2
+    w_copies = weight_copy_count(main, moe_kernels.MoEGemm(cfg).plan, 32 * main.warps) * (main.stages - 1)
+    assert before.count("cp.async.cg.shared.global") == w_copies > 0
+    assert body.count(PDL_WAIT) == 2 and body.count("cp.async.cg.shared.global") > w_copies
+    assert "griddepcontrol" not in ptx_of(cfg, "sm_80")  # no PDL there: nothing to wait for
+    plain = ptx_of(gemm_config(4.0, "mcg", 1, 8, split_halves=split), "sm_90a")
+    assert plain.count(MMA) == body.count(MMA)
+
+
+def test_gate_up_gemm_lets_the_down_gemm_launch_before_its_fused_tail():
+    """``next_after_loop``: each CTA triggers the next launch after its partials' stores, before it counts in for
+    the fused intermediate (whose last CTA's tail the down GEMM's weight loads then overlap)."""
+    cfg = gemm_config(4.0, "mcg", 2, 8, split_halves=True, intermediate_splits=4, next_after_loop=True)
+    body = ptx_of(cfg, "sm_90a")
+    trigger = body.index("griddepcontrol.launch_dependents")
+    assert body.count("griddepcontrol.launch_dependents") == 1 and body.index(PDL_WAIT) < trigger
+    assert body.rindex("st.global.b32", 0, body.index(ARRIVAL)) < trigger < body.index(ARRIVAL)
+    assert "launch_dependents" not in ptx_of(dataclasses.replace(cfg, next_after_loop=False), "sm_90a")
+
+
 def test_configs_refuse_what_the_kernels_cannot_do():
     with pytest.raises(ValueError):
         MoEGemmConfig(4.0, "mcg", 3)
@@ -211,6 +244,10 @@ def test_configs_refuse_what_the_kernels_cannot_do():
         MoERouteConfig("softmax_topk", 128, 8, token_tile=64)
     with pytest.raises(ValueError):
         IntermediateConfig(1, "rows", 3, 8)  # 8 values a lane take two blocks at a time
+    with pytest.raises(ValueError):  # weights before the wait: X staged, mma.sync
+        MoEGemmConfig(4.0, "mcg", 2, input="float16", resident_k_tiles=8, weights_before_wait=True)
+    with pytest.raises(ValueError):
+        gemm_config(4.0, "mcg", 1, 64, True, weights_before_wait=True)
 
 
 def _memory_order(config, arch="sm_120a"):

@@ -131,6 +131,16 @@ SKIP_PADDING_TAIL = True
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
 FUSED_INTERMEDIATE_WAVES = 1.25
+# Where the gate/up GEMM does the intermediate, each of its CTAs lets the down GEMM launch once its partials are
+# written (MoEGemmConfig.next_after_loop), and the down GEMM's CTAs read their block's expert and issue their first
+# weight stage before their PDL wait (weights_before_wait): the weights come from HBM during gate/up's fused tail.
+# H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold copies, three rounds, y bit-identical, us: M=1
+# 27.94 / 27.78 / 27.92 -> 27.59 / 27.28 / 27.31, M=6 77.5 / 77.6 / 78.0 -> 75.4 / 75.6 / 76.3, M=7 81.7 / 82.1 /
+# 82.4 -> 80.1 / 79.9 / 80.7, M=8 85.6 / 85.5 / 86.3 -> 84.7 / 84.7 / 84.9; M=2, 3 and 5 even. Not kept (another
+# run): the gate/up GEMM's weights before its wait behind an input rotation that lets it launch at once (M=2 39.4
+# -> 40.4, M=4 56.8 -> 58.4-58.9, M=64 177.8 / 181.3 -> 175.4 / 176.7), nor the down GEMM's behind the Intermediate
+# launch (M=4 56.8 -> 62.0 / 62.3).
+EARLY_DOWN_WEIGHTS = True
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
 RESIDENT_INPUT_TOKENS = 1
@@ -532,9 +542,13 @@ class MoEPlan:
             xr = self.xr[: 2 * rows * hx].view(2, rows, hx)
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * ix].view(rows, ix)
+            # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
+            early = EARLY_DOWN_WEIGHTS and s.fused_intermediate
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
-                              x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0)
-            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2)
+                              x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
+                              next_after_loop=early)
+            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2,
+                             weights_before_wait=early)
             rot = None if resident else K.compiled(self.input_rotation(g, wgmma, order13, lane_values, slot_groups),
                                                    arch)
             inter = None if s.fused_intermediate else K.compiled(

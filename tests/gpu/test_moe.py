@@ -256,6 +256,48 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
         assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 8)), ("two-groups-k3-k5", (1, 2)),
+                                     ("k3.5-mul1-shared-gated", (1,))])
+def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
+    """Behind a gate/up GEMM that does the intermediate, the down GEMM issues its first weight stage before its
+    PDL wait (moe.EARLY_DOWN_WEIGHTS: gate/up's next_after_loop, down's weights_before_wait): the same MMAs in the
+    same order, so y is bit-identical, eagerly (twice: the counters are back at zero) and in graph replay, with
+    one expert group or two (their down GEMMs share the top-k sum's counters) and the shared expert's."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    made, real = [], moe_ops.gemm_config
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for early in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(moe_ops, "EARLY_DOWN_WEIGHTS", early)
+                patch.setattr(moe_ops, "gemm_config", recording)
+                made.clear()
+                plan = plan_moe(dmoe, m)
+                poison(plan)
+                y = moe_forward(x, plan).clone()
+                assert plan.step(m, False).shape.fused_intermediate
+                downs = [c for c in made if c.planes == 1]
+                ups = [c for c in made if c.planes == 2]
+                assert len(downs) == len(dmoe.groups) and all(c.weights_before_wait == early for c in downs)
+                assert all(c.next_after_loop == early for c in ups)
+                poison(plan)
+                assert torch.equal(moe_forward(x, plan), y)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = moe_forward(x, plan)
+                poison(plan)
+                graph.replay()
+                assert torch.equal(out, y)
+                outs.append(y)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (name, m)
+
+
 def assert_no_bit_changes(monkeypatch, dmoe, x, module, attribute, values, check) -> None:
     """y of the layer for x is bit-identical with ``module.attribute`` set to each of ``values`` (a fresh, poisoned
     plan each); ``check(plan, value)`` asserts that the setting took effect."""
