@@ -3,10 +3,11 @@
 Rows ``r`` are routes packed by expert (``moe_route``): block ``b`` holds rows ``b*T .. b*T+T-1`` (T = tokens per
 CTA), all of one expert ``block_expert[b]`` (-1: an unused block). One launch serves one expert group (one K and
 codebook): ``group_row[e]`` is expert e's row in the group's stacked tensors, -1 for experts of other groups,
-whose blocks this launch skips. ``planes`` = 2 for gate/up (``w13 [2, E, H_p/16, I_p/16, 16K]``, each plane with
-its own rotated input) and 1 for down (``w2 [E, I_p/16, H_p/16, 16K]`` viewed with a leading plane dim). A CTA's
-``warps`` tile columns never straddle the planes (N_p/16 is a multiple of 8). The main loop is the dense GEMM's
-(``mainloop.decode_mma_loop``); K splits write fp32 partials that the next kernel sums in split order.
+whose blocks this launch skips (with ``group_first``, a group of consecutive ids, the row is the expert minus
+that first id, and the table is not read). ``planes`` = 2 for gate/up (``w13 [2, E, H_p/16, I_p/16, 16K]``, each
+plane with its own rotated input) and 1 for down (``w2 [E, I_p/16, H_p/16, 16K]`` viewed with a leading plane
+dim). A CTA's ``warps`` tile columns never straddle the planes (N_p/16 is a multiple of 8). The main loop is the
+dense GEMM's (``mainloop.decode_mma_loop``); K splits write fp32 partials that the next kernel sums in split order.
 
 With ``intermediate_splits`` (gate/up, small route blocks) the GEMM also does the ``Intermediate`` kernel's work,
 saving its launch: every CTA counts in at its (route block, 128-column block of I) once its partials are written
@@ -97,6 +98,10 @@ class MoEGemmConfig:
     # let this one launch (it waits first, and triggers no earlier than that): then every kernel that wrote the
     # block's expert or the weights has finished.
     weights_before_wait: bool = False
+    # >= 0: the group's experts are ids group_first .. group_first + E_g - 1 in order (one group of every routed
+    # expert, or the shared expert's), so a block's row in the group is its expert minus this, with no group_row
+    # lookup between the block's expert and its first weight copies.
+    group_first: int = -1
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -111,6 +116,8 @@ class MoEGemmConfig:
             raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
         if self.mma == "wgmma" and (self.input is not None or self.topk_sum is not None):
             raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
+        if self.group_first < -1:
+            raise ValueError("group_first is an expert id, or -1 for the group_row table")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
         self.mainloop  # validates the rest, including the shared-memory limit
@@ -222,7 +229,10 @@ class MoEGemm(DecodeGemmKernel):
         elif cutlass.const_expr(cfg.topk_sum is not None):
             sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
         expert = mBlockExpert[blk]
-        p = mGroupRow[cutlass.max(expert, 0)]
+        if cutlass.const_expr(cfg.group_first >= 0):
+            p = cutlass.select_(expert - cfg.group_first < mW.shape[1], expert - cfg.group_first, Int32(-1))
+        else:
+            p = mGroupRow[cutlass.max(expert, 0)]
         if expert >= 0 and p >= 0:
             n_col_tiles = mW.shape[3]
             k_tiles = mW.shape[2]

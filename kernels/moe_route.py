@@ -84,6 +84,7 @@ class MoERouteConfig:
     x_dtype: str = "float16"
     expert_tile: int = 16  # router rows per CTA (16 or 32)
     token_tile: int = 8  # tokens per CTA (8, 16 or 32)
+    early_next: bool = False  # PDL: let the next kernel launch right after this one's wait
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -243,7 +244,7 @@ class MoERoute:
                mGivenW: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor,
                mCounters: cute.Tensor, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor,
                mRowRoute: cute.Tensor, block_rows: Int32):
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         cfg = self.cfg
         tid, _, _ = cute.arch.thread_idx()
         chunk, tb, _ = cute.arch.block_idx()

@@ -233,6 +233,38 @@ def test_gate_up_gemm_lets_the_down_gemm_launch_before_its_fused_tail():
     assert "launch_dependents" not in ptx_of(dataclasses.replace(cfg, next_after_loop=False), "sm_90a")
 
 
+@pytest.mark.parametrize("planes", [2, 1])
+def test_contiguous_groups_find_a_blocks_row_without_a_lookup(planes):
+    """``group_first`` (a group of consecutive expert ids): a block's row in the group is its expert minus the first
+    id, so the GEMM reads one int (the block's expert) before its first weight copies instead of two (its expert,
+    then group_row there); the main loop is the same."""
+    base = gemm_config(4.0, "mcg", planes, 8)
+    mmas = None
+    for first, loads in ((-1, 2), (0, 1), (128, 1)):
+        body = ptx_of(dataclasses.replace(base, group_first=first), "sm_90a")
+        body = body[body.index(".entry"):]
+        before = body[: body.index("cp.async.cg.shared.global")]
+        assert len(GLOBAL_ACCESS.findall(before)) == loads, first
+        assert mmas is None or body.count(MMA) == mmas
+        mmas = body.count(MMA)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_route_lets_the_next_kernel_launch_right_after_its_wait(arch):
+    """``MoERouteConfig.early_next`` (decode: the gate/up GEMM's or the input rotation's CTAs resident when the
+    route ends): one griddepcontrol.launch_dependents right after the wait, before any global access; none without
+    it, none on SM80."""
+    for early in (False, True):
+        ptx = ptx_of(MoERouteConfig("softmax_topk", 128, 8, early_next=early), arch)
+        assert_waits_before_global_access(ptx, arch)
+        if arch == "sm_80" or not early:
+            assert "launch_dependents" not in ptx
+            continue
+        wait, trigger = ptx.index(PDL_WAIT), ptx.index("griddepcontrol.launch_dependents;")
+        assert ptx.count("griddepcontrol.launch_dependents;") == 1 and wait < trigger
+        assert not GLOBAL_ACCESS.search(ptx[wait:trigger]) and "cp.async" not in ptx[:trigger]
+
+
 def test_configs_refuse_what_the_kernels_cannot_do():
     with pytest.raises(ValueError):
         MoEGemmConfig(4.0, "mcg", 3)
@@ -248,6 +280,8 @@ def test_configs_refuse_what_the_kernels_cannot_do():
         MoEGemmConfig(4.0, "mcg", 2, input="float16", resident_k_tiles=8, weights_before_wait=True)
     with pytest.raises(ValueError):
         gemm_config(4.0, "mcg", 1, 64, True, weights_before_wait=True)
+    with pytest.raises(ValueError):
+        MoEGemmConfig(4.0, "mcg", 1, group_first=-2)
 
 
 def _memory_order(config, arch="sm_120a"):

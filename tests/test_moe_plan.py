@@ -11,6 +11,7 @@ import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops.moe import (
+    DeviceExpertGroup,
     _per_split,
     expected_blocks,
     input_rotation_layout,
@@ -161,3 +162,11 @@ def test_only_the_largest_wgmma_route_blocks_pass_stages_through_mbarriers():
     assert not gemm_config(4.0, "mcg", 1, 128).mbarriers
     with pytest.raises(ValueError, match="warpgroup-MMA"):
         GemmConfig(4.0, "mcg", token_groups=8, mbarriers=True)
+
+
+def test_a_group_of_consecutive_experts_names_its_first():
+    """DeviceExpertGroup.first_expert (the GEMMs' group_first): every routed expert of a one-group layer, the shared
+    expert's group (id E), a run of ids; -1 for interleaved or unordered groups, which keep the group_row table."""
+    first = lambda experts: DeviceExpertGroup.first_expert.fget(SimpleNamespace(experts=experts))  # noqa: E731
+    assert first(tuple(range(128))) == 0 and first((128,)) == 128 and first((4, 5, 6)) == 4
+    assert first((1, 3, 5)) == -1 and first((0, 2)) == -1 and first((5, 4)) == -1

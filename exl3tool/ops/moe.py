@@ -141,6 +141,17 @@ FUSED_INTERMEDIATE_WAVES = 1.25
 # -> 40.4, M=4 56.8 -> 58.4-58.9, M=64 177.8 / 181.3 -> 175.4 / 176.7), nor the down GEMM's behind the Intermediate
 # launch (M=4 56.8 -> 62.0 / 62.3).
 EARLY_DOWN_WEIGHTS = True
+# Up to this many tokens the route kernel lets the next kernel (the gate/up GEMM at M = 1, else the input rotation)
+# launch right after its own wait (MoERouteConfig.early_next), so its CTAs are resident when the route ends; and a
+# group of consecutive expert ids finds a route block's row in it as the expert minus its first id
+# (MoEGemmConfig.group_first) instead of a group_row load between the block's expert and the first weight copies.
+# H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold copies, three rounds, y bit-identical, us, base ->
+# both: M=1 26.56 / 26.81 / 27.17 -> 26.07 / 26.52 / 26.22, M=2 39.4 / 39.6 / 39.8 -> 38.5 / 38.7 / 38.8, M=4 56.7 /
+# 56.9 / 57.1 -> 55.7 / 56.5 / 56.4, M=8 84.0 / 84.7 / 85.1 -> 83.7 / 84.1 / 84.5, M=16 127.7 / 128.5 / 128.8 ->
+# 127.4 / 127.7 / 128.4; M=64 and 256 (group rows only) even. The route's early launch at every M (another run):
+# M=256 251.4 -> 252.8, so only up to 16 tokens.
+EARLY_ROUTE_NEXT_TOKENS = 16
+CONTIGUOUS_GROUP_ROWS = True
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
 RESIDENT_INPUT_TOKENS = 1
@@ -174,6 +185,13 @@ class DeviceExpertGroup:
     # the power of two that scales the largest |gate/up suh| into [1/2, 1]: the tensor-core input rotation's
     # exact fp16 split of x * suh (RouteInputRotationConfig.suh_shift), set at load time (one host sync)
     suh_shift: int = 0
+
+    @property
+    def first_expert(self) -> int:
+        """The first id where the group's experts are consecutive ids in order (row p is expert first + p: every
+        routed expert of a one-group layer, or the shared expert), else -1 (``MoEGemmConfig.group_first``)."""
+        first = self.experts[0]
+        return first if self.experts == tuple(range(first, first + len(self.experts))) else -1
 
 
 def suh_shift(gate_suh: torch.Tensor, up_suh: torch.Tensor) -> int:
@@ -507,7 +525,7 @@ class MoEPlan:
         cfg = d.route
         k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
         route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype],
-                            **tiles_for(tokens))
+                            early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
         step = _Step(s)
         logits = self.logits[: tokens * e_r].view(tokens, e_r)
         ids = self.ids[: tokens * k].view(tokens, k)
@@ -544,11 +562,12 @@ class MoEPlan:
             x2 = self.x2[: rows * ix].view(rows, ix)
             # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
             early = EARLY_DOWN_WEIGHTS and s.fused_intermediate
+            first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
-                              next_after_loop=early)
+                              next_after_loop=early, group_first=first)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2,
-                             weights_before_wait=early)
+                             weights_before_wait=early, group_first=first)
             rot = None if resident else K.compiled(self.input_rotation(g, wgmma, order13, lane_values, slot_groups),
                                                    arch)
             inter = None if s.fused_intermediate else K.compiled(

@@ -298,6 +298,48 @@ def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeyp
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (name, m)
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
+                                     ("two-groups-k3-k5", (2,))])
+def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, name, ms, monkeypatch):
+    """Up to moe.EARLY_ROUTE_NEXT_TOKENS the route kernel lets the next one launch right after its wait, and a group
+    of consecutive expert ids finds a block's row without the group_row table (moe.CONTIGUOUS_GROUP_ROWS: the
+    routed experts' group from 0, the shared expert's from E; interleaved groups keep the table): only the timing and
+    one index load change, so y is bit-identical, eagerly and in graph replay."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    made, real = [], moe_ops.gemm_config
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for on in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(moe_ops, "EARLY_ROUTE_NEXT_TOKENS", 16 if on else 0)
+                patch.setattr(moe_ops, "CONTIGUOUS_GROUP_ROWS", on)
+                patch.setattr(moe_ops, "gemm_config", recording)
+                made.clear()
+                plan = plan_moe(dmoe, m)
+                poison(plan)
+                y = moe_forward(x, plan).clone()
+                firsts = {g.first_expert if on else -1 for g in dmoe.groups}
+                assert {c.group_first for c in made} == firsts
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = moe_forward(x, plan)
+                poison(plan)
+                graph.replay()
+                assert torch.equal(out, y)
+                outs.append(y)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (name, m)
+    if name == "two-groups-k3-k5":
+        assert {g.first_expert for g in dmoe.groups} == {-1}
+    else:
+        assert 0 in {g.first_expert for g in dmoe.groups}
+
+
 def assert_no_bit_changes(monkeypatch, dmoe, x, module, attribute, values, check) -> None:
     """y of the layer for x is bit-identical with ``module.attribute`` set to each of ``values`` (a fresh, poisoned
     plan each); ``check(plan, value)`` asserts that the setting took effect."""
