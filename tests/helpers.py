@@ -33,6 +33,18 @@ def assert_waits_before_global_access(ptx: str, arch: str) -> None:
     assert "cp.async" not in ptx[:wait]
 
 
+def assert_early_next(ptx: str, early: bool, arch: str) -> None:
+    """``early_next``: one griddepcontrol.launch_dependents right after the kernel's wait, before any global access;
+    none without it (the next kernel then launches as this one's CTAs exit) and none on SM80."""
+    assert_waits_before_global_access(ptx, arch)
+    if arch == "sm_80" or not early:
+        assert "launch_dependents" not in ptx
+        return
+    wait, trigger = ptx.index(PDL_WAIT), ptx.index("griddepcontrol.launch_dependents;")
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1 and wait < trigger
+    assert not GLOBAL_ACCESS.search(ptx[wait:trigger]) and "cp.async" not in ptx[:trigger]
+
+
 def model_dir(name: str) -> Path:
     """The checkpoint folder of a genuine fixture (the Qwen3-MoE one is the example)."""
     return EXAMPLE if name == "qwen3moe_mul1" else FIXTURES / name

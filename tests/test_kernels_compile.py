@@ -17,7 +17,7 @@ from exl3tool.ops import launch
 from exl3tool.ops.fold import fold_builder
 from exl3tool.ops.runtime import compile_with_ptx
 from exl3tool.ops.targets import WGMMA_LAYOUT
-from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_waits_before_global_access
+from helpers import assert_early_next, assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile
 
@@ -236,11 +236,5 @@ def test_early_next_lets_the_next_kernel_launch_right_after_the_wait(config, arc
     access; none without it (the next kernel then launches as this one's CTAs exit) and none on SM80."""
     build = launch.BUILDERS[type(config)]
     for early in (False, True):
-        ptx = compile_with_ptx(lambda options: build(replace(config, early_next=early), options), arch)
-        assert_waits_before_global_access(ptx, arch)
-        if arch == "sm_80" or not early:
-            assert "launch_dependents" not in ptx
-            continue
-        wait, trigger = ptx.index(PDL_WAIT), ptx.index("griddepcontrol.launch_dependents;")
-        assert ptx.count("griddepcontrol.launch_dependents;") == 1 and wait < trigger
-        assert not GLOBAL_ACCESS.search(ptx[wait:trigger]) and "cp.async" not in ptx[:trigger]
+        assert_early_next(compile_with_ptx(lambda options: build(replace(config, early_next=early), options), arch),
+                          early, arch)

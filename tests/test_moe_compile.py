@@ -15,7 +15,7 @@ from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
 from exl3tool.ops.moe import gemm_config
 from exl3tool.ops.runtime import compile_with_ptx
-from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_waits_before_global_access
+from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_early_next, assert_waits_before_global_access
 
 pytestmark = pytest.mark.compile
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -255,14 +255,7 @@ def test_route_lets_the_next_kernel_launch_right_after_its_wait(arch):
     route ends): one griddepcontrol.launch_dependents right after the wait, before any global access; none without
     it, none on SM80."""
     for early in (False, True):
-        ptx = ptx_of(MoERouteConfig("softmax_topk", 128, 8, early_next=early), arch)
-        assert_waits_before_global_access(ptx, arch)
-        if arch == "sm_80" or not early:
-            assert "launch_dependents" not in ptx
-            continue
-        wait, trigger = ptx.index(PDL_WAIT), ptx.index("griddepcontrol.launch_dependents;")
-        assert ptx.count("griddepcontrol.launch_dependents;") == 1 and wait < trigger
-        assert not GLOBAL_ACCESS.search(ptx[wait:trigger]) and "cp.async" not in ptx[:trigger]
+        assert_early_next(ptx_of(MoERouteConfig("softmax_topk", 128, 8, early_next=early), arch), early, arch)
 
 
 def test_configs_refuse_what_the_kernels_cannot_do():

@@ -256,6 +256,34 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
         assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
 
 
+def layer_with(monkeypatch, dmoe, x, settings: dict):
+    """(y, the GEMM configs planned, plan) of the layer for x with moe's ``settings`` (a fresh, poisoned plan), y
+    checked to be the same on a second call (arrival counters back at zero) and in graph replay."""
+    made, real = [], moe_ops.gemm_config
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    with monkeypatch.context() as patch:
+        for attribute, value in settings.items():
+            patch.setattr(moe_ops, attribute, value)
+        patch.setattr(moe_ops, "gemm_config", recording)
+        plan = plan_moe(dmoe, x.shape[0])
+        poison(plan)
+        y = moe_forward(x, plan).clone()
+        poison(plan)
+        assert torch.equal(moe_forward(x, plan), y)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_forward(x, plan)
+        poison(plan)
+        graph.replay()
+        assert torch.equal(out, y)
+    assert not y.isnan().any()
+    return y, made, plan
+
+
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 8)), ("two-groups-k3-k5", (1, 2)),
                                      ("k3.5-mul1-shared-gated", (1,))])
 def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
@@ -264,38 +292,17 @@ def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeyp
     same order, so y is bit-identical, eagerly (twice: the counters are back at zero) and in graph replay, with
     one expert group or two (their down GEMMs share the top-k sum's counters) and the shared expert's."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    made, real = [], moe_ops.gemm_config
-
-    def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for early in (True, False):
-            with monkeypatch.context() as patch:
-                patch.setattr(moe_ops, "EARLY_DOWN_WEIGHTS", early)
-                patch.setattr(moe_ops, "gemm_config", recording)
-                made.clear()
-                plan = plan_moe(dmoe, m)
-                poison(plan)
-                y = moe_forward(x, plan).clone()
-                assert plan.step(m, False).shape.fused_intermediate
-                downs = [c for c in made if c.planes == 1]
-                ups = [c for c in made if c.planes == 2]
-                assert len(downs) == len(dmoe.groups) and all(c.weights_before_wait == early for c in downs)
-                assert all(c.next_after_loop == early for c in ups)
-                poison(plan)
-                assert torch.equal(moe_forward(x, plan), y)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = moe_forward(x, plan)
-                poison(plan)
-                graph.replay()
-                assert torch.equal(out, y)
-                outs.append(y)
-        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (name, m)
+            y, made, plan = layer_with(monkeypatch, dmoe, x, {"EARLY_DOWN_WEIGHTS": early})
+            assert plan.step(m, False).shape.fused_intermediate
+            downs = [c for c in made if c.planes == 1]
+            assert len(downs) == len(dmoe.groups) and all(c.weights_before_wait == early for c in downs)
+            assert all(c.next_after_loop == early for c in made if c.planes == 2)
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), (name, m)
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
@@ -306,38 +313,19 @@ def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, n
     routed experts' group from 0, the shared expert's from E; interleaved groups keep the table): only the timing and
     one index load change, so y is bit-identical, eagerly and in graph replay."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    made, real = [], moe_ops.gemm_config
-
-    def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
+    firsts = {g.first_expert for g in dmoe.groups}
+    want = {"qwen3-30b-shape-k4-mcg": {0}, "k3.5-mul1-shared-gated": {0, dmoe.num_experts},  # shared: id E
+            "two-groups-k3-k5": {-1}}
+    assert firsts == want[name]
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for on in (True, False):
-            with monkeypatch.context() as patch:
-                patch.setattr(moe_ops, "EARLY_ROUTE_NEXT_TOKENS", 16 if on else 0)
-                patch.setattr(moe_ops, "CONTIGUOUS_GROUP_ROWS", on)
-                patch.setattr(moe_ops, "gemm_config", recording)
-                made.clear()
-                plan = plan_moe(dmoe, m)
-                poison(plan)
-                y = moe_forward(x, plan).clone()
-                firsts = {g.first_expert if on else -1 for g in dmoe.groups}
-                assert {c.group_first for c in made} == firsts
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = moe_forward(x, plan)
-                poison(plan)
-                graph.replay()
-                assert torch.equal(out, y)
-                outs.append(y)
-        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (name, m)
-    if name == "two-groups-k3-k5":
-        assert {g.first_expert for g in dmoe.groups} == {-1}
-    else:
-        assert 0 in {g.first_expert for g in dmoe.groups}
+            settings = {"EARLY_ROUTE_NEXT_TOKENS": 16 if on else 0, "CONTIGUOUS_GROUP_ROWS": on}
+            y, made, _ = layer_with(monkeypatch, dmoe, x, settings)
+            assert {c.group_first for c in made} == (firsts if on else {-1})
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), (name, m)
 
 
 def assert_no_bit_changes(monkeypatch, dmoe, x, module, attribute, values, check) -> None:
