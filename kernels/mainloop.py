@@ -83,7 +83,7 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
     row_chunks = cfg.w_row_words // 4
     total = cfg.k_tiles_per_stage * row_chunks
     w_stride = Int64(n_col_tiles) * (4 * cfg.k_tiles_per_stage * words)
-    for it in range((total + threads - 1) // threads):
+    for it in range(weight_copy_count(cfg, threads)):
         i = it * threads + tid
         if total % threads != 0:
             i = cutlass.min(i, total - 1)  # surplus threads repeat the last copy: same bytes, same place
@@ -125,8 +125,9 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
     return copies
 
 
-def weight_copy_count(cfg, plan, threads) -> int:
-    """How many of ``stage_copies``' entries (the first ones) copy weights."""
+def weight_copy_count(cfg, threads) -> int:
+    """How many of ``stage_copies``' entries (the first ones) copy weights: a stage's 16-byte weight pieces over
+    the CTA's threads."""
     return -(-cfg.k_tiles_per_stage * (cfg.w_row_words // 4) // threads)
 
 
@@ -256,7 +257,7 @@ def decode_mma_loop(
     ahead_stages = cfg.stages - 2 if wgmma else cfg.stages - 1
     if cutlass.const_expr(wait is not None):
         # the weights of the stages ahead first (the first commit group holds them all), then the wait, then X
-        w_count = weight_copy_count(cfg, plan, threads)
+        w_count = weight_copy_count(cfg, threads)
         for st in cutlass.range_constexpr(ahead_stages):
             if st < n_chunks:
                 issue_stage(copies[:w_count], st, st)
