@@ -38,7 +38,7 @@ class DequantConfig:
 class Dequantize:
     def __init__(self, config: DequantConfig):
         self.cfg = config
-        self.plan = TrellisPlan(config.bits)
+        self.plan = TrellisPlan(config.bits, paired=False)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):

@@ -55,6 +55,10 @@ def mad_lo_imm(x, factor, addend):
     return _u32(_u64(x) * np.uint64(factor & 0xFFFFFFFF) + np.uint64(addend & 0xFFFFFFFF))
 
 
+def mad_lo_imm_add(x, factor, addend):
+    return _u32(_u64(x) * np.uint64(factor & 0xFFFFFFFF) + _u64(addend))
+
+
 def pinned(value):
     return np.uint32(value)
 

@@ -158,7 +158,7 @@ class FoldConfig:
 class Fold:
     def __init__(self, config: FoldConfig):
         self.cfg = config
-        self.plan = TrellisPlan(config.bits)
+        self.plan = TrellisPlan(config.bits, paired=False)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mSuh: cute.Tensor, mSvh: cute.Tensor, mOut: cute.Tensor,

@@ -63,7 +63,8 @@ class DecodeGemmKernel:
 
     def __init__(self, config):
         self.cfg = config
-        self.plan = TrellisPlan(config.bits)
+        # paired hashes only in the split-halves loop (M <= 8), where the ALU pipe binds (``ptx.PAIRED_HASH_ARCHS``)
+        self.plan = TrellisPlan(config.bits, paired=ptx.paired_hashes() and config.split_halves)
         self.threads = 32 * config.warps
 
 

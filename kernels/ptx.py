@@ -26,14 +26,33 @@ _PDL = contextvars.ContextVar("exl3tool_pdl", default=False)
 # leaves and wait in turn. Only the timing changes: every kernel still waits before touching what others write.
 
 
+# The archs whose split-halves decode (M <= 8) hashes paired windows (``trellis.Links``): the same instruction count
+# as cutting every window, with a quarter of its ALU-pipe instructions moved to IMADs (sm_90a K=4 loop: ALU 2.41 ->
+# 1.91 a weight), which pays where the ALU pipe binds. H200, graph, L2-cold, y bit-identical, us (cuts -> paired):
+# 4096x14336 K=4 mcg M=1 20.80 -> 20.05, M=8 22.55 -> 21.26; 3inst M=1 20.98 -> 19.78; 14336x4096 M=8 24.75 ->
+# 23.42; K=8 M=1 21.84 -> 21.80; MoE layer M=1 27.04 -> 26.18, M=2 39.66 -> 36.86, M=8 93.65 -> 86.56, M=16 129.2 ->
+# 122.0. Not in the other loops (mul1 K=4 M=1 19.94 -> 21.48, K=8 M=16 24.9 -> 25.7, M=64 +2%), nor on sm_120a:
+# there ptxas pads the longer chains with uniform no-ops (4.38 -> 4.48 SASS a weight) where memory is expected to
+# bind.
+PAIRED_HASH_ARCHS = ("sm_90",)
+_ARCH = contextvars.ContextVar("exl3tool_arch", default=None)
+
+
 @contextlib.contextmanager
 def compiling_for(arch: str):
     """Kernels traced inside this block are compiled for ``arch`` (``sm_90a``, ...): PDL where it has it."""
-    token = _PDL.set(int(re.sub(r"\D", "", arch)) >= 90)
+    tokens = (_PDL.set(int(re.sub(r"\D", "", arch)) >= 90), _ARCH.set(arch))
     try:
         yield
     finally:
-        _PDL.reset(token)
+        _PDL.reset(tokens[0])
+        _ARCH.reset(tokens[1])
+
+
+def paired_hashes() -> bool:
+    """Does the decode of the arch being compiled for hash paired windows (``PAIRED_HASH_ARCHS``)?"""
+    arch = _ARCH.get()
+    return arch is not None and arch.rstrip("af") in PAIRED_HASH_ARCHS
 
 
 def pdl_launch() -> dict:
@@ -158,6 +177,12 @@ def mul_lo_imm(x, factor: int, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def mad_lo_imm(x, factor: int, addend: int, *, loc=None, ip=None) -> Int32:
     return _asm_i32([x], f"mad.lo.u32 $0, $1, {_u32(factor)}, {_u32(addend)};", "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mad_lo_imm_add(x, factor: int, addend, *, loc=None, ip=None) -> Int32:
+    """``x * factor + addend`` (mod 2^32) with ``addend`` a register: one IMAD."""
+    return _asm_i32([x, addend], f"mad.lo.u32 $0, $1, {_u32(factor)}, $2;", "=r,r,r", loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -4,7 +4,8 @@ A 16x16 EXL3 tile is a ring of ``256*K`` bits held in ``8K`` 32-bit words. Lane 
 positions ``8t .. 8t+7`` (the mma.m16n8k16 fragment order, format doc section 4), whose 16-bit states are
 windows ending at ring bits ``8tK + c_j`` (``c_j`` below). All eight windows of a lane lie inside three
 consecutive ring words, so a lane loads those words, funnel-shifts them once so its first window starts at
-bit 0, and then cuts every state out at a compile-time offset.
+bit 0, and then cuts every state out at a compile-time offset. Where windows come in pairs 16 bits apart (K=4, 8),
+it may instead hash each pair from the one 32-bit word holding both (``Links``: fewer ALU-pipe instructions).
 
 The functions here take an ``ops`` namespace: ``kernels.ptx`` when traced into a CuTe DSL kernel, and
 ``kernels.emulate`` (NumPy, bit-exact uint32 semantics) on the CPU. CI runs the emulated path against the
@@ -31,6 +32,7 @@ class TrellisPlan:
     """Compile-time facts of one bitrate: where each of a lane's 8 windows sits."""
 
     bits: float
+    paired: bool = True  # hash paired windows where the bitrate has them (``links``)
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
@@ -86,6 +88,10 @@ class TrellisPlan:
     @cached_property
     def cuts(self) -> "Cuts":
         return plan_cuts(self)
+
+    @cached_property
+    def links(self) -> "Links | None":
+        return plan_links(self) if self.paired else None
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,52 @@ def plan_cuts(plan: TrellisPlan) -> Cuts:
     return best[1]
 
 
+@dataclass(frozen=True)
+class Links:
+    """Paired hashes (compile time), for bitrates whose lane windows come in pairs 16 bits apart. The 32-bit stream
+    word starting at head window i holds w_i in its top half and the window j 16 bits later in its bottom half, so
+
+        hash(w_j) = word * MUL + ADD - w_i * (MUL << 16)   (mod 2^32)
+
+    two IMADs (FMA pipe) instead of a cut (ALU pipe); w_i itself is the word's top half (one SHR). ``pairs``:
+    (head i, window j, word offset in the raw words); a word at an offset not a multiple of 32 is one funnel shift.
+    K=4: three funnel shifts and four SHR for eight windows, against eleven ALU cuts."""
+
+    pairs: tuple[tuple[int, int, int], ...]
+
+    @property
+    def alu_instructions(self) -> int:
+        return sum(1 + (offset % 32 != 0) for _, _, offset in self.pairs)
+
+    @property
+    def instructions(self) -> int:
+        """The lane's whole hash work: cuts and word shifts, then one IMAD per head and two per linked window."""
+        return self.alu_instructions + 3 * len(self.pairs)
+
+
+def plan_links(plan: TrellisPlan) -> Links | None:
+    """Pair every window with one 16 bits after or before it (raw words only: ``fixed_shift`` known), if that
+    costs no more instructions than ``plan.cuts`` and a hash a window; else None."""
+    if plan.fixed_shift is None:
+        return None
+    starts = [plan.fixed_shift + d for d in plan.deltas]
+    pairs, linked = [], set()
+    for i, p in enumerate(starts):
+        if i in linked or p + 16 not in starts:
+            continue
+        j = starts.index(p + 16)
+        if j in linked:
+            continue
+        if p % 32 and p // 32 + 1 >= plan.raw_words:
+            return None
+        pairs.append((i, j, p))
+        linked |= {i, j}
+    if len(linked) != len(starts):
+        return None
+    links = Links(tuple(pairs))
+    return links if links.instructions <= plan.cuts.instructions + len(starts) else None
+
+
 def lane_word_indices(plan: TrellisPlan, lane):
     """Ring word indices a lane loads, and the bit shift that aligns its first window to bit 0.
 
@@ -210,32 +262,56 @@ def codebook_constants(codebook: str, ops):
     return () if codebook == "mul1" else (ops.pinned(FP16_FLIP),)
 
 
-def states_to_half2(codebook: str, states, ops, consts):
-    """Codebook: 8 states -> 4 packed fp16 pairs (pair p holds weights 2p, 2p+1; lower index in the low half)."""
-    pairs = []
+def hash_constants(codebook: str) -> tuple[int, int]:
+    """(MUL, ADD) of the codebook's hash ``state * MUL + ADD`` (mod 2^32)."""
+    if codebook == "mcg":
+        return MCG_MUL, 0
+    if codebook == "3inst":
+        return INST3_MUL, INST3_ADD
     if codebook == "mul1":
-        sums = [ops.dp4a_bytesum(ops.mul_lo_imm(s, MUL1_MUL), FP16_1024) for s in states]
+        return MUL1_MUL, 0
+    raise ValueError(f"unknown codebook {codebook!r}")
+
+
+def _hash(x, mul: int, add: int, ops):
+    return ops.mad_lo_imm(x, mul, add) if add else ops.mul_lo_imm(x, mul)
+
+
+def lane_hashes(plan: TrellisPlan, codebook: str, words, shift, ops):
+    """The lane's 8 hashed states ``state * MUL + ADD``: by ``plan.links`` where it has them (paired words), else
+    each state cut (``lane_states``) and multiplied."""
+    mul, add = hash_constants(codebook)
+    links = plan.links
+    if links is None:
+        return [_hash(s, mul, add, ops) for s in lane_states(plan, words, shift, ops)]
+    hashed = [None] * 8
+    for i, j, offset in links.pairs:
+        q, r = divmod(offset, 32)
+        word = words[q] if r == 0 else ops.shf_l_imm(words[q + 1], words[q], r)
+        head = ops.cut16(word, 0)
+        hashed[i] = _hash(head, mul, add, ops)
+        hashed[j] = ops.mad_lo_imm_add(head, (-(mul << 16)) & 0xFFFFFFFF, _hash(word, mul, add, ops))
+    return hashed
+
+
+def hashes_to_half2(codebook: str, hashed, ops, consts):
+    """Codebook: 8 hashes -> 4 packed fp16 pairs (pair p holds weights 2p, 2p+1; lower index in the low half)."""
+    if codebook == "mul1":
+        sums = [ops.dp4a_bytesum(x, FP16_1024) for x in hashed]
+        pairs = []
         for p in range(4):
             packed = ops.prmt_imm(sums[2 * p], sums[2 * p + 1], 0x5410)
             pairs.append(ops.hfma2_imm(packed, MUL1_INV_X2, MUL1_BIAS_X2))
         return pairs
-    if codebook == "mcg":
-        hashed = [ops.mul_lo_imm(s, MCG_MUL) for s in states]
-    elif codebook == "3inst":
-        hashed = [ops.mad_lo_imm(s, INST3_MUL, INST3_ADD) for s in states]
-    else:
-        raise ValueError(f"unknown codebook {codebook!r}")
     (flip,) = consts
     masked = [ops.and_xor(x, FP16_MASK, flip) for x in hashed]
     return [ops.half_sums(masked[2 * p], masked[2 * p + 1]) for p in range(4)]
 
 
-def states_to_halves(codebook: str, states, ops, consts):
+def hashes_to_halves(codebook: str, hashed, ops, consts):
     """mcg / 3inst without the final fp16 add: register j holds the two fp16 halves whose sum is weight j."""
     if codebook not in ("mcg", "3inst"):
         raise ValueError(f"the {codebook} codebook has no unsummed halves")
-    hashed = [ops.mul_lo_imm(s, MCG_MUL) if codebook == "mcg" else ops.mad_lo_imm(s, INST3_MUL, INST3_ADD)
-              for s in states]
     (flip,) = consts
     return [ops.and_xor(x, FP16_MASK, flip) for x in hashed]
 
@@ -244,12 +320,12 @@ def decode_lane(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
     """Lane's 8 weights as 4 fp16x2 registers: (w0,w1), (w2,w3), (w4,w5), (w6,w7).
 
     ``consts`` comes from ``codebook_constants`` (hoisted out of the loop by the caller)."""
-    return states_to_half2(codebook, lane_states(plan, words, shift, ops), ops, consts)
+    return hashes_to_half2(codebook, lane_hashes(plan, codebook, words, shift, ops), ops, consts)
 
 
 def decode_lane_halves(plan: TrellisPlan, codebook: str, words, shift, ops, consts):
-    """Lane's 8 weights as unsummed fp16 half pairs (``states_to_halves``): for ``split_halves_fragments``."""
-    return states_to_halves(codebook, lane_states(plan, words, shift, ops), ops, consts)
+    """Lane's 8 weights as unsummed fp16 half pairs (``hashes_to_halves``): for ``split_halves_fragments``."""
+    return hashes_to_halves(codebook, lane_hashes(plan, codebook, words, shift, ops), ops, consts)
 
 
 def mmas_per_tile(split_halves: bool = False) -> int:

@@ -49,14 +49,30 @@ def emulated_tile(plan, codebook, tile_words16):
     return tile.view(np.float16), pairs
 
 
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "cuts"])
 @pytest.mark.parametrize("bits,codebook", CASES)
-def test_lane_decode_matches_reference(bits, codebook):
-    plan = TrellisPlan(bits)
+def test_lane_decode_matches_reference(bits, codebook, paired):
+    """Both decodes: paired hashes (``TrellisPlan.links``, K=4 and K=8) and a cut a window (every K)."""
+    plan = TrellisPlan(bits, paired=paired)
     tiles = random_tiles(bits, 6, seed=int(bits * 10) + len(codebook))
     ref = decode_trellis(tiles.reshape(6, 1, -1), codebook, bits).numpy()  # 6 tiles stacked along the input
     for t in range(6):
         got, _ = emulated_tile(plan, codebook, tiles[t, 0])
         assert np.array_equal(got.view(np.uint16), ref[16 * t : 16 * t + 16].view(np.uint16)), (bits, codebook, t)
+
+
+def test_paired_hashes_where_they_move_alu_work_without_adding_instructions():
+    """K=4 and K=8 hash paired windows (every window in a pair); the other bitrates have no pairs 16 bits apart."""
+    for bits in SUPPORTED_BITS:
+        plan = TrellisPlan(bits)
+        links = plan.links
+        if bits in (4.0, 8.0):
+            assert sorted(w for i, j, _ in links.pairs for w in (i, j)) == list(range(8))
+            assert links.instructions <= plan.cuts.instructions + 8
+            assert links.alu_instructions <= plan.cuts.instructions - plan.cuts.fma_instructions - 4
+        else:
+            assert links is None, bits
+        assert TrellisPlan(bits, paired=False).links is None
 
 
 def test_lane_words_cover_every_window():

@@ -177,3 +177,24 @@ def test_dense_rotations_move_whole_lane_values_per_access():
     first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
     assert ops[0] == "LDG.E.64" and not any(op.startswith("LDG") for op in ops[first_store:]), ops
     assert ops.count("STG.E.64") == 1, ops
+
+
+@pytest.mark.parametrize("codebook", ["mcg", "3inst"])
+def test_paired_hashes_move_alu_work_to_imads_on_sm90(codebook, monkeypatch):
+    """sm_90a, the planner's M=1 K=4 loop: paired hashes (trellis.Links) issue no more instructions than a cut a
+    window and half an ALU-pipe instruction a weight fewer (4 of 19 a tile's lane, as IMADs); sm_120a keeps the
+    cuts."""
+    from exl3tool.kernels import ptx
+
+    with ptx.compiling_for("sm_90a"):
+        assert ptx.paired_hashes()
+    with ptx.compiling_for("sm_120a"):
+        assert not ptx.paired_hashes()
+    cfg = planned_gemm_config(4.0, codebook, 1, "sm_90a")
+    paired = sass.gemm_report(cfg, "sm_90a")
+    monkeypatch.setattr(ptx, "PAIRED_HASH_ARCHS", ())
+    cuts = sass.gemm_report(cfg, "sm_90a")
+    assert cfg.split_halves and paired.spill_instructions == 0
+    assert paired.per_weight <= cuts.per_weight + 1 / 64  # ptxas: at most one instruction more a loop
+    assert paired.per_weight_by_pipe["alu"] <= cuts.per_weight_by_pipe["alu"] - 0.45
+    assert "PRMT" in cuts.main_loop.by_opcode and "PRMT" not in paired.main_loop.by_opcode
