@@ -132,3 +132,14 @@ def test_early_next_only_around_warpgroup_mma_gemms(monkeypatch):
                 on = 33 <= tokens <= 256 and arch == "sm_90a"
                 got = [linear_ops.early_next(k, tokens, arch) for k in kernels]
                 assert got == [on and k in wanted for k in kernels], (policy, tokens, arch)
+
+
+def test_one_token_gemm_rotating_its_input_takes_three_stages_on_the_h200():
+    """H200: the M = 1 GEMM that rotates its own input pipelines 3 stages (targets.ROTATED_INPUT_STAGES, measured
+    faster), with the same splits and 8 CTAs an SM; SM120 keeps 2 stages, and so do other token counts."""
+    for shape, splits in (((4096, 14336), 4), ((14336, 4096), 14)):
+        plan = plan_gemm(1, linear(*shape), 132, arch="sm_90a", input="float16")
+        assert plan.config.stages == 3 and plan.splits == splits
+        assert gemm_resident_ctas("sm_90a", plan.config) == 8
+        assert plan_gemm(1, linear(*shape), 170, arch="sm_120a", input="float16").config.stages == 2
+        assert plan_gemm(8, linear(*shape), 132, arch="sm_90a").config.stages == 2

@@ -1,5 +1,7 @@
 """exl3tool.sass on real compiled kernels (compile-only tier: no GPU, needs nvdisasm from the sass extra)."""
 
+from dataclasses import replace
+
 import pytest
 
 from exl3tool import sass
@@ -198,3 +200,23 @@ def test_paired_hashes_move_alu_work_to_imads_on_sm90(codebook, monkeypatch):
     assert paired.per_weight <= cuts.per_weight + 1 / 64  # ptxas: at most one instruction more a loop
     assert paired.per_weight_by_pipe["alu"] <= cuts.per_weight_by_pipe["alu"] - 0.45
     assert "PRMT" in cuts.main_loop.by_opcode and "PRMT" not in paired.main_loop.by_opcode
+
+
+def test_three_stage_loop_is_unrolled_over_its_stages():
+    """sm_90a, the planner's M = 1 GEMM rotating its input (3 stages): the loop body holds one chunk a stage, so
+    every stage address is static and it issues no more a weight than the 2-stage loop (mainloop.chunk_unroll)."""
+    from types import SimpleNamespace
+
+    from exl3tool.format import Codebook, LinearInfo
+    from exl3tool.kernels.mainloop import chunk_unroll
+    from exl3tool.ops.linear import plan_gemm
+    from exl3tool.ops.targets import GEMM_REGISTERS
+
+    lin = SimpleNamespace(info=LinearInfo("x", 4096, 14336, 4096, 14336, 4.0, Codebook("mcg"), False, False))
+    cfg = plan_gemm(1, lin, sm_count=132, arch="sm_90a", input="float16", output="float16").config
+    assert cfg.stages == 3 and chunk_unroll(cfg) == 3
+    three = sass.gemm_report(cfg, "sm_90a")
+    two = sass.gemm_report(replace(cfg, stages=2), "sm_90a")
+    assert three.main_loop.mmas == 3 * cfg.k_tiles_per_stage * mmas_per_tile(cfg.split_halves)
+    assert three.per_weight <= two.per_weight + 0.03 and three.spill_instructions == 0  # unrolled by 2: +0.6
+    assert three.registers <= GEMM_REGISTERS[1]

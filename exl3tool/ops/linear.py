@@ -156,6 +156,8 @@ def plan_gemm(
     # M=64 36.97 vs 42.13); for split halves already doubled (no HADD2 per B word in the loop).
     config.setdefault("x_order", "doubled" if config["split_halves"] else "fragments")
     rotated_input = config.pop("input", None)
+    if rotated_input is not None:
+        config.setdefault("stages", targets.rotated_input_stages(arch))
     cfg = fitting_config(bits=float(info.bits), codebook=codebook, token_groups=token_groups, **config)
     k_tiles = info.in_padded // 16
     ctas = (info.out_padded // 16 // cfg.warps) * math.ceil(tokens / cfg.tokens_per_cta)

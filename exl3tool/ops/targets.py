@@ -101,6 +101,18 @@ def decode_warps(codebook: str, token_groups: int) -> int:
 SPLIT_HALVES_MIN_BITS = {"sm_90": 1.0, "sm_120": 2.5, "sm_121": 2.5}
 
 
+# Pipeline stages of the M = 1 GEMM that rotates its own input (one launch a linear), per arch (default 2). H200,
+# K=4 mcg, whole linear, graph, y bit-identical, us (2 -> 3 stages of 8 k-tiles, the main loop unrolled over its
+# stages): 4096x14336 19.98 / 20.16 -> 18.84 / 18.85, 14336x4096 21.14 / 21.10 -> 20.16 / 20.21, 4096x4096 10.71 ->
+# 10.59; 4 stages 19.95 / 21.63 (six CTAs an SM); 3 stages at M=8 21.58 -> 21.86. SM120 keeps 2 (100 KB an SM: 3
+# stages would cost CTAs an SM; not measured).
+ROTATED_INPUT_STAGES = {"sm_90": 3}
+
+
+def rotated_input_stages(arch: str) -> int:
+    return ROTATED_INPUT_STAGES.get(arch.rstrip("af"), 2)
+
+
 def split_halves(arch: str, codebook: str, token_groups: int, bits: float) -> bool:
     min_bits = SPLIT_HALVES_MIN_BITS.get(arch.rstrip("af"))
     return min_bits is not None and bits >= min_bits and codebook != "mul1" and token_groups == 1
