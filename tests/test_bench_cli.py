@@ -76,11 +76,11 @@ def test_sass_on_sm120_end_to_end():
     data = result.json()
     assert data["schema"] == "exl3tool.bench.sass/1" and data["arch"] == "sm_120a"
     kernels = {k["kernel"]: k for k in data["kernels"]}
-    # the planner's kernels for M=1 (split halves at K=4) and M=16, the fused epilogue (M <= 8), dequantize, the
-    # two rotations
+    # the planner's kernels for M=1 (split halves at K=4) and M=16, the fused epilogue (M <= 8), the one-launch M=1
+    # GEMM (both rotations fused; 2 stages on SM120), dequantize, the two rotations
     m8_label = "gemm K4 mcg M8/CTA split halves"
     assert set(kernels) == {m8_label, "gemm K4 mcg M16/CTA", m8_label + " fused fp16 out", "dequant K4 mcg",
-                            "rotate in fp16", "rotate out fp32>fp16"}
+                            m8_label + " one launch (2 stages)", "rotate in fp16", "rotate out fp32>fp16"}
     m8 = kernels[m8_label]
     assert m8["spill_bytes"] == 0 and m8["spill_instructions"] == 0 and 16 <= m8["registers"] <= 96
     assert m8["smem_per_cta_bytes"] <= 99 * 1024

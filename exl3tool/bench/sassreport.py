@@ -70,6 +70,9 @@ def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 25
         if min(tokens) <= FUSED_MAX_TOKENS:
             cfg = planned_gemm_config(k, codebook, min(tokens), arch, output="float16")
             configs[cfg] = _gemm_label(k, codebook, cfg) + " fused fp16 out"
+        if 1 in tokens:  # what one token runs: one launch, both rotations fused (its own stage count per arch)
+            cfg = planned_gemm_config(k, codebook, 1, arch, output="float16", input="float16")
+            configs[cfg] = _gemm_label(k, codebook, cfg) + f" one launch ({cfg.stages} stages)"
         jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch)) for cfg, label in configs.items()]
         dq = DequantConfig(float(k), codebook)
         jobs.append((f"dequant K{k:g} {codebook}", lambda dq=dq: _analyze(dq, arch)))
