@@ -54,13 +54,13 @@ from .trellis import (
 # Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
 # (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more).
 CHUNK_UNROLL = 2
+WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 
 
 def chunk_unroll(cfg) -> int:
     """Chunks an iteration of the main loop: an mma.sync loop of 3 or 4 stages is unrolled over its stages, so that
     each chunk's stage (addresses) is static (sm_90a K=4 mcg M=1, 3 stages: 4.91 -> 4.35 SASS a weight)."""
     return cfg.stages if cfg.mma == "sync" and cfg.stages in (3, 4) else CHUNK_UNROLL
-WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 
 
 class DecodeGemmKernel:
@@ -341,7 +341,7 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
     word_idx, shift = lane_word_indices(plan, lane)
     consts = codebook_constants(cfg.codebook, ptx)
     w_lane = warp * plan.words_per_tile
-    for chunk in cutlass.range(n_chunks, unroll=CHUNK_UNROLL):
+    for chunk in cutlass.range(n_chunks, unroll=chunk_unroll(cfg)):
         stage = chunk % stages
         cute.arch.mbarrier_wait(full + stage, (chunk // stages) % 2)
         ptx.fence_proxy_async_shared()  # the copies' data, visible to the tensor cores' reads
