@@ -373,3 +373,22 @@ def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, arch):
         with pytest.raises(ValueError):
             RouteInputRotationConfig(**{"x_dtype": "float16", "routes_per_token": routes, "x_order": x_order,
                                         "hadamard": "mma", "suh_shift": shift, **bad})
+
+
+@pytest.mark.parametrize("planes,split", [(2, True), (1, True), (1, False)])
+def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, split):
+    """sm_90a, 8-row route blocks at 3 stages (moe.UNSPLIT_SYNC_STAGES): the main loop holds one chunk a stage
+    (mainloop.chunk_unroll: static stage addresses), so it issues about as much a weight as at 2 stages, no spills."""
+    from exl3tool import sass
+    from exl3tool.kernels.trellis import mmas_per_tile
+
+    def report(config):
+        cubin = sass.compile_cubin(lambda options: moe_kernels.BUILDERS[MoEGemmConfig](config, options), "sm_90a")
+        (kernel,) = sass.analyze_cubin(cubin, weights_per_mma=8 / mmas_per_tile(split),
+                                       dynamic_smem_bytes=config.smem_bytes)
+        return kernel
+
+    cfg = gemm_config(4.0, "mcg", planes, 8, split_halves=split, stages=3)
+    three, two = report(cfg), report(dataclasses.replace(cfg, stages=2))
+    assert cfg.stages == 3 and three.main_loop.mmas == 3 * cfg.k_tiles_per_stage * mmas_per_tile(split)
+    assert three.per_weight <= two.per_weight + 0.06 and three.spill_instructions == 0

@@ -124,6 +124,23 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
         "doubled", "rows", "fragments", "rows"]
 
 
+def test_unsplit_one_group_route_blocks_pipeline_three_stages_on_sm90():
+    """On sm_90 8-row mma.sync route blocks whose K is not split take 3 pipeline stages (moe.UNSPLIT_SYNC_STAGES:
+    H200 M=8-64 3-5% faster), split ones (M <= 3 here, a few stages a CTA) and everything else keep the layout's;
+    SM120 keeps 2. The 3 stages fit beside the rest of the CTA's shared memory."""
+    from exl3tool.ops.moe import gemm_config, sync_stages
+
+    d = moe()
+    shapes = {m: step_shape(d, m, 132) for m in (1, 2, 4, 8, 16, 64)}
+    assert [(m, s.block_rows, s.splits13, s.splits2) for m, s in shapes.items()] == [
+        (1, 8, 4, 3), (2, 8, 3, 2), (4, 8, 2, 1), (8, 8, 1, 1), (16, 8, 1, 1), (64, 8, 1, 1)]
+    assert [sync_stages("sm_90a", 8, False, n) for n in (1, 2)] == [{"stages": 3}, {}]
+    assert sync_stages("sm_90a", 8, True, 1) == sync_stages("sm_90a", 32, False, 1) == {}
+    assert sync_stages("sm_120a", 8, False, 1) == {}
+    for planes in (1, 2):
+        assert gemm_config(4.0, "mcg", planes, 8, split_halves=True, **sync_stages("sm_90a", 8, False, 1)).stages == 3
+
+
 def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
     """From MOE_WGMMA_MIN_ROWS rows a block, sm_90a's GEMMs are the warpgroup-MMA ones (X and X2 then in row order,
     which the MMA's swizzled copies expect, and from 256 rows in the stages' layout, one bulk copy a stage); SM120

@@ -130,6 +130,13 @@ SKIP_PADDING_TAIL = True
 # 61.0 (1.34, two K splits), M=9 95.1 -> 95.4 (1.33), M=10 98.3 -> 106.6 (1.44), M=12 108.1 -> 113.3 (1.64), M=16
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
+# Pipeline stages of the mma.sync route blocks whose K is not split (each CTA runs the whole K: at hidden 2048 /
+# intermediate 768, 16 stages of gate/up, 6 of down), the main loop unrolled over them (mainloop.chunk_unroll); split
+# ones (a few stages a CTA: M <= 3) keep 2. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold copies, a
+# process per variant, two each, y bit-identical, us (2 -> 3 stages): M=8 86.46 -> 82.05, M=16 119.68 -> 115.87,
+# M=64 171.27 -> 166.50; split blocks at 3 stages lost, M=1 26.25 -> 27.56, M=2 36.82 -> 38.26 (docs/perf.md,
+# twenty-second session). SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured).
+UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
 FUSED_INTERMEDIATE_WAVES = 1.25
 # Where the gate/up GEMM does the intermediate, each of its CTAs lets the down GEMM launch once its partials are
 # written (MoEGemmConfig.next_after_loop), and the down GEMM's CTAs read their block's expert and issue their first
@@ -406,6 +413,13 @@ def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma:
                           **gemm_layout(block_rows, codebook, wgmma), **fields)
 
 
+def sync_stages(arch: str, block_rows: int, wgmma: bool, splits: int) -> dict:
+    """gemm_config's pipeline stages for a route block's GEMM of ``splits`` K splits on ``arch``:
+    UNSPLIT_SYNC_STAGES where it applies, else none given (the layout's)."""
+    stages = None if wgmma or splits > 1 else UNSPLIT_SYNC_STAGES.get(arch.rstrip("af"), {}).get(block_rows)
+    return {} if stages is None else {"stages": stages}
+
+
 def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = None) -> StepShape:
     cfg = dmoe.route
     k = cfg.routes_per_token
@@ -564,9 +578,11 @@ class MoEPlan:
             early = EARLY_DOWN_WEIGHTS and s.fused_intermediate
             first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
+                              **sync_stages(arch, s.block_rows, wgmma, s.splits13),
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
                               next_after_loop=early, group_first=first)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2,
+                             **sync_stages(arch, s.block_rows, wgmma, s.splits2),
                              weights_before_wait=early, group_first=first)
             rot = None if resident else K.compiled(self.input_rotation(g, wgmma, order13, lane_values, slot_groups),
                                                    arch)

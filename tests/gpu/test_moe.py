@@ -328,6 +328,27 @@ def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, n
         assert torch.equal(outs[0], outs[1]), (name, m)
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (4, 8, 16)), ("two-groups-k3-k5", (16,)),
+                                     ("k3.5-mul1-shared-gated", (8,))])
+def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, monkeypatch):
+    """8-row mma.sync route blocks whose K is not split pipeline 3 stages (moe.UNSPLIT_SYNC_STAGES, here for this
+    GPU's arch), split ones 2: the same MMAs in the same order, so y is bit-identical to 2 stages everywhere, eagerly
+    and in graph replay."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    three = {moe_ops.target_arch(torch.device("cuda")).rstrip("af"): {8: 3}}
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for on in (True, False):
+            y, made, plan = layer_with(monkeypatch, dmoe, x, {"UNSPLIT_SYNC_STAGES": three if on else {}})
+            shape = plan.step(m, False).shape
+            splits = {2: shape.splits13, 1: shape.splits2}  # by planes: gate/up, down
+            assert shape.block_rows == 8 and 1 in splits.values()  # some GEMM here runs its whole K
+            assert [c.stages for c in made] == [3 if on and splits[c.planes] == 1 else 2 for c in made]
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), (name, m)
+
+
 def assert_no_bit_changes(monkeypatch, dmoe, x, module, attribute, values, check) -> None:
     """y of the layer for x is bit-identical with ``module.attribute`` set to each of ``values`` (a fresh, poisoned
     plan each); ``check(plan, value)`` asserts that the setting took effect."""
