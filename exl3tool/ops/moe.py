@@ -130,14 +130,15 @@ SKIP_PADDING_TAIL = True
 # 61.0 (1.34, two K splits), M=9 95.1 -> 95.4 (1.33), M=10 98.3 -> 106.6 (1.44), M=12 108.1 -> 113.3 (1.64), M=16
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
+FUSED_INTERMEDIATE_WAVES = 1.25
 # Pipeline stages of the mma.sync route blocks whose K is not split (each CTA runs the whole K: at hidden 2048 /
 # intermediate 768, 16 stages of gate/up, 6 of down), the main loop unrolled over them (mainloop.chunk_unroll); split
-# ones (a few stages a CTA: M <= 3) keep 2. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold copies, a
-# process per variant, two each, y bit-identical, us (2 -> 3 stages): M=8 86.46 -> 82.05, M=16 119.68 -> 115.87,
-# M=64 171.27 -> 166.50; split blocks at 3 stages lost, M=1 26.25 -> 27.56, M=2 36.82 -> 38.26 (docs/perf.md,
-# twenty-second session). SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured).
+# ones (2-8 stages a CTA: M <= 3, and M=4's gate/up) keep 2. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4
+# L2-cold copies, a process per variant, two each, y bit-identical, us (2 -> 3 stages): M=4 54.57 -> 53.98, M=8
+# 83.54 -> 79.61, M=16 119.43 -> 114.49, M=64 170.50 -> 166.37. Lost: split blocks at 3 (M=1 26.25 -> 27.56, M=2
+# 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128 208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93).
+# SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured). docs/perf.md, twenty-second session.
 UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
-FUSED_INTERMEDIATE_WAVES = 1.25
 # Where the gate/up GEMM does the intermediate, each of its CTAs lets the down GEMM launch once its partials are
 # written (MoEGemmConfig.next_after_loop), and the down GEMM's CTAs read their block's expert and issue their first
 # weight stage before their PDL wait (weights_before_wait): the weights come from HBM during gate/up's fused tail.
