@@ -278,11 +278,13 @@ def analyze_cubin(
 
 
 def gemm_report(config, arch: str = "sm_120a") -> KernelSass:
-    """The decode GEMM of a ``GemmConfig`` compiled for ``arch``, analysed."""
+    """The decode GEMM of a ``GemmConfig`` (dense) or ``MoEGemmConfig`` (a route block's) compiled for ``arch``,
+    analysed."""
     from exl3tool.kernels.trellis import mmas_per_tile
-    from exl3tool.ops import launch
+    from exl3tool.ops import launch, moe_kernels
 
-    cubin = compile_cubin(lambda options: launch.BUILDERS[type(config)](config, options), arch)
+    build = {**launch.BUILDERS, **moe_kernels.BUILDERS}[type(config)]
+    cubin = compile_cubin(lambda options: build(config, options), arch)
     # weights decoded per tensor instruction: a warp's 16x16 tile per HMMA per token group, per HGMMA (warpgroup)
     mmas = 1 if getattr(config, "mma", "sync") == "wgmma" else (
         config.token_groups * mmas_per_tile(getattr(config, "split_halves", False)))

@@ -382,13 +382,7 @@ def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, sp
     from exl3tool import sass
     from exl3tool.kernels.trellis import mmas_per_tile
 
-    def report(config):
-        cubin = sass.compile_cubin(lambda options: moe_kernels.BUILDERS[MoEGemmConfig](config, options), "sm_90a")
-        (kernel,) = sass.analyze_cubin(cubin, weights_per_mma=8 / mmas_per_tile(split),
-                                       dynamic_smem_bytes=config.smem_bytes)
-        return kernel
-
     cfg = gemm_config(4.0, "mcg", planes, 8, split_halves=split, stages=3)
-    three, two = report(cfg), report(dataclasses.replace(cfg, stages=2))
+    three, two = sass.gemm_report(cfg, "sm_90a"), sass.gemm_report(dataclasses.replace(cfg, stages=2), "sm_90a")
     assert cfg.stages == 3 and three.main_loop.mmas == 3 * cfg.k_tiles_per_stage * mmas_per_tile(split)
     assert three.per_weight <= two.per_weight + 0.06 and three.spill_instructions == 0
