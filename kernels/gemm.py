@@ -36,6 +36,7 @@ from .rotate import (
     DTYPES,
     load_vector,
     reduce_rotate_store,
+    reduce_rotate_store_spread,
     rotate_into_shared,
     rotated_output_values,
     store_row_values,
@@ -92,6 +93,11 @@ class GemmConfig:
     # wgmma with ``output``, one K split (the plan's promise): each CTA holds whole 128-column tiles and rotates them
     # from shared memory (``rotate_tile_from_shared``) instead of writing partials and counting in.
     whole_k: bool = False
+    # M = 1 (``input``) with ``output``, more K splits than one warp keeps in flight (``SPLITS_IN_FLIGHT``): the
+    # last CTA of a 128-column block sums it with every warp, a column a lane (``reduce_rotate_store_spread``),
+    # instead of warp 0 alone. The plan's choice: with fewer splits it gains nothing (one round trip either way)
+    # and the kernel keeps the other epilogue's code and registers.
+    spread_sum: bool = False
     # wgmma only: stages handed over through mbarriers (``mainloop.mbarrier_wgmma_loop``: each copy's completion
     # arrives on its stage's "full" barrier, each warp releases a stage once its MMAs are done) instead of one CTA
     # barrier per stage, so a warp waits only for the data it reads and for the stage it refills, which every warp
@@ -137,6 +143,8 @@ class GemmConfig:
             raise ValueError("mbarriers is a pipeline of the warpgroup-MMA main loop")
         if self.whole_k and (self.mma != "wgmma" or self.output is None):
             raise ValueError("whole_k is the warpgroup-MMA GEMM's epilogue with a fused output rotation")
+        if self.spread_sum and (self.input is None or self.output is None):
+            raise ValueError("spread_sum is the one-token GEMM's fused epilogue (input and output set)")
         if self.whole_k and self.x_smem_words < self.tokens_per_cta * TILE_PITCH:
             raise ValueError("whole_k: the X stages must hold the CTA's output tile")
         if self.output not in (None, *DTYPES):
@@ -305,11 +313,11 @@ class TrellisGemm(DecodeGemmKernel):
             rotate_tile_from_shared(cfg, acc, sX.iterator.toint(), mSvh, mBias, mY, col_tile0 // 8, tok0, tokens,
                                     warp, lane)
         else:
-            self.partials_epilogue(mP, mSvh, mBias, mY, mCounter, sLast, acc, split, bm, col_tile0, tok0, tokens,
+            self.partials_epilogue(mP, mSvh, mBias, mY, mCounter, sLast, sW, acc, split, bm, col_tile0, tok0, tokens,
                                    tid, warp, lane)
 
     @cute.jit
-    def partials_epilogue(self, mP, mSvh, mBias, mY, mCounter, sLast, acc, split, bm, col_tile0, tok0, tokens, tid,
+    def partials_epilogue(self, mP, mSvh, mBias, mY, mCounter, sLast, sW, acc, split, bm, col_tile0, tok0, tokens, tid,
                           warp, lane):
         """The CTA's partial sums to ``P[split]``; with ``output``, then the last CTA of its 128-column block (every
         split written) sums them in split order and rotates them."""
@@ -334,12 +342,17 @@ class TrellisGemm(DecodeGemmKernel):
             counter = mCounter.iterator.toint() + Int64(slot) * 4
             ptx.count_in(counter, mP.shape[0] * ctas_per_block, sLast, 0, tid)
             if sLast[0] != 0:
-                for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
-                    row = tok0 + r * cfg.warps + warp
-                    if row < tokens:
-                        reduce_rotate_store(mP, mSvh, mBias, mY, row, block * 128 + 4 * lane, lane, exists=True,
-                                            n=4, partial_f32=True, has_bias=cfg.has_bias,
-                                            out_type=DTYPES[cfg.output])
+                if cutlass.const_expr(cfg.spread_sum):  # one token: every warp sums a slice of its block, parked
+                    # in the weight stages, idle now (count_in's barrier follows every warp's last MMA)
+                    reduce_rotate_store_spread(mP, mSvh, mBias, mY, sW.iterator.toint(), tok0, block, warp,
+                                               cfg.warps, lane, cfg.has_bias, DTYPES[cfg.output])
+                else:
+                    for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                        row = tok0 + r * cfg.warps + warp
+                        if row < tokens:
+                            reduce_rotate_store(mP, mSvh, mBias, mY, row, block * 128 + 4 * lane, lane, exists=True,
+                                                n=4, partial_f32=True, has_bias=cfg.has_bias,
+                                                out_type=DTYPES[cfg.output])
                 if tid == 0:
                     ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
 

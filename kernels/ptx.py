@@ -335,6 +335,15 @@ def ld_global_cg_v4_f16_as_f32(gmem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_global_cg_f32_or_neg_zero(gmem_addr, load, *, loc=None, ip=None) -> Float32:
+    """One fp32 from global memory, cached in L2 only (as ``ld_global_cg_v4_f32``), where ``load`` is nonzero;
+    else -0.0 (no memory access), which adds to any value without changing it."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(load).ir_value(loc=loc, ip=ip)]
+    text = "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0x80000000; @p ld.global.cg.f32 $0, [$1];}"
+    return Float32(llvm.inline_asm(T.f32(), values, text, "=f,l,r", has_side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def ld_global_cg_v4_f32(gmem_addr, *, loc=None, ip=None):
     """Four fp32 from a 16-byte aligned global address, cached in L2 only: data other CTAs just wrote
     (after ``count_in``) must not come from a stale L1 line."""

@@ -30,6 +30,8 @@ INV_SQRT_128 = 1.0 / math.sqrt(128.0)
 # 6.1, 4096x14336 M=256 3.0 -> 2.5; output 14336x4096 M=16 / 64 / 256 3.3 / 3.0 / 4.6 -> 3.7 / 3.8 / 5.9.
 # The GEMM epilogues and the MoE rotations hold 4.
 INPUT_LANE_VALUES, OUTPUT_LANE_VALUES = 8, 4
+SPLITS_IN_FLIGHT = 4  # splits ``reduce_rotate_store`` keeps loading at once (its loop's unroll)
+SPREAD_LOADS = 16  # split partials a lane loads at once in ``reduce_rotate_store_spread``
 
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 DTYPE_NAMES = {t: name for name, t in DTYPES.items()}
@@ -250,13 +252,44 @@ def reduce_rotate_store(
     elem = 4 if partial_f32 else 2
     addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0) * elem
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * elem
-    for split in cutlass.range(mP.shape[0], unroll=4):
+    for split in cutlass.range(mP.shape[0], unroll=SPLITS_IN_FLIGHT):
         part = partial_values(addr + split * split_bytes, n, partial_f32)
         for i in cutlass.range_constexpr(n):
             acc[i] = acc[i] + part[i]
     y = rotated_output_values([acc[i] for i in range(n)], svh, bias, lane)
     if exists:
         store_row_values(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])
+
+
+@cute.jit
+def reduce_rotate_store_spread(mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.Tensor, mY: cute.Tensor,
+                               sum_addr: Int32, row: Int32, block: Int32, warp: Int32, warps: cutlass.Constexpr,
+                               lane: Int32, has_bias: cutlass.Constexpr, out_type: cutlass.Constexpr):
+    """``reduce_rotate_store`` of one row's 128-block by every warp of the CTA: warp w sums columns ``128/warps``
+    wide (a column a lane) over the splits, in split order as there (the same fp32 additions, so the same bits),
+    parks the sums at ``sum_addr`` (128 fp32 of shared memory), and warp 0 rotates and stores them. For the M = 1
+    GEMM's fused epilogue, where the row is the CTA's one token: each lane keeps 16 splits' loads in flight instead
+    of one warp keeping 4, so a block of 28 splits waits two round trips to L2 instead of seven."""
+    per_warp = 128 // warps
+    col = block * 128 + per_warp * warp + lane
+    svh = load_vector(mSvh, block * 128 + 4 * lane)
+    bias = load_vector(mBias, block * 128 + 4 * lane) if cutlass.const_expr(has_bias) else None
+    if lane < per_warp:
+        addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col) * 4
+        split_bytes = Int64(mP.shape[1]) * mP.shape[2] * 4
+        splits = mP.shape[0]
+        acc = Float32(0.0)
+        for s0 in cutlass.range(0, splits, SPREAD_LOADS):  # the batch's loads first, then its additions in order
+            parts = [ptx.ld_global_cg_f32_or_neg_zero(addr + (s0 + i) * split_bytes, Int32(s0 + i < splits))
+                     for i in range(SPREAD_LOADS)]
+            for i in cutlass.range_constexpr(SPREAD_LOADS):  # past the last split: + -0.0, no change
+                acc = acc + parts[i]
+        ptx.st_shared_f32(sum_addr + (per_warp * warp + lane) * 4, acc)
+    cute.arch.sync_threads()
+    if warp == 0:
+        v = ptx.ld_shared_v4(sum_addr + 16 * lane, Float32)
+        y = rotated_output_values(list(v), svh, bias, lane)
+        store_row_values(mY, row, block * 128 + 4 * lane, y, out_type, DTYPE_NAMES[out_type])
 
 
 def partial_values(addr, n: int, partial_f32: bool):

@@ -126,6 +126,9 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         GemmConfig(bits=4.0, codebook="mcg", warps=8, warp_cols=2, token_groups=2, split_halves=True)
     with pytest.raises(ValueError, match="doubled"):  # doubled B words are for the split MMAs only
         GemmConfig(bits=4.0, codebook="mcg", x_order="doubled")
+    for half in (dict(output="float16"), dict(input="float16", resident_k_tiles=8)):  # needs both ends fused
+        with pytest.raises(ValueError, match="spread_sum"):
+            GemmConfig(bits=4.0, codebook="mcg", spread_sum=True, **half)
     with pytest.raises(ValueError, match="shared memory"):  # the decoded stage counts too
         GemmConfig(bits=4.0, codebook="mcg", token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=8)
     # warpgroup MMA: whole warpgroups, whole 128-byte swizzle atoms per stage, a stage in flight, row-order X

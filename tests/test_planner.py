@@ -143,3 +143,19 @@ def test_one_token_gemm_rotating_its_input_takes_three_stages_on_the_h200():
         assert gemm_resident_ctas("sm_90a", plan.config) == 8
         assert plan_gemm(1, linear(*shape), 170, arch="sm_120a", input="float16").config.stages == 2
         assert plan_gemm(8, linear(*shape), 132, arch="sm_90a").config.stages == 2
+
+
+@pytest.mark.parametrize("arch,sms", [("sm_90a", 132), ("sm_120a", 170)])
+def test_one_token_gemm_spreads_its_sum_where_the_splits_exceed_one_warps_loads(arch, sms):
+    """M = 1 with the output rotation fused: the last CTA of a block sums it with every warp (``spread_sum``) where
+    there are more K splits than one warp loads at once (``SPLITS_IN_FLIGHT``), and not where there are fewer (no
+    round trip to save), nor without the fused output or the rotated input."""
+    from exl3tool.kernels.rotate import SPLITS_IN_FLIGHT
+
+    for shape in ((4096, 14336), (14336, 4096), (4096, 4096), (8192, 2048), (2048, 8192), (1024, 512)):
+        plan = plan_gemm(1, linear(*shape), sms, arch=arch, input="float16", output="float16")
+        assert plan.config.spread_sum == (plan.splits > SPLITS_IN_FLIGHT), (shape, plan.splits)
+        assert not plan_gemm(1, linear(*shape), sms, arch=arch, input="float16").config.spread_sum
+        assert not plan_gemm(1, linear(*shape), sms, arch=arch, output="float16").config.spread_sum
+    assert plan_gemm(1, linear(14336, 4096), sms, arch=arch, input="float16", output="float16").config.spread_sum
+    assert not plan_gemm(1, linear(4096, 14336), sms, arch=arch, input="float16", output="float16").config.spread_sum

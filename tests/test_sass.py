@@ -1,6 +1,7 @@
 """exl3tool.sass on real compiled kernels (compile-only tier: no GPU, needs nvdisasm from the sass extra)."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -205,7 +206,6 @@ def test_paired_hashes_move_alu_work_to_imads_on_sm90(codebook, monkeypatch):
 def test_three_stage_loop_is_unrolled_over_its_stages():
     """sm_90a, the planner's M = 1 GEMM rotating its input (3 stages): the loop body holds one chunk a stage, so
     every stage address is static and it issues no more a weight than the 2-stage loop (mainloop.chunk_unroll)."""
-    from types import SimpleNamespace
 
     from exl3tool.format import Codebook, LinearInfo
     from exl3tool.kernels.mainloop import chunk_unroll
@@ -220,3 +220,24 @@ def test_three_stage_loop_is_unrolled_over_its_stages():
     assert three.main_loop.mmas == 3 * cfg.k_tiles_per_stage * mmas_per_tile(cfg.split_halves)
     assert three.per_weight <= two.per_weight + 0.03 and three.spill_instructions == 0  # unrolled by 2: +0.6
     assert three.registers <= GEMM_REGISTERS[1]
+
+
+@pytest.mark.parametrize("arch,sms", [("sm_90a", 132), ("sm_120a", 170)])
+def test_spread_sum_issues_a_batch_of_split_loads_before_its_first_addition(arch, sms):
+    """The planned M = 1 GEMM of 14336x4096 (14 splits, ``spread_sum``): after its arrival atomic, every lane
+    issues ``SPREAD_LOADS`` partial loads before the first addition waits (ptxas kept a load-add chain when the
+    loop was merely unrolled), with no more registers than the warp-0 epilogue and no spills."""
+    from exl3tool.format import Codebook, LinearInfo
+    from exl3tool.kernels.rotate import SPREAD_LOADS
+    from exl3tool.ops.linear import plan_gemm
+
+    lin = SimpleNamespace(info=LinearInfo("x", 14336, 4096, 14336, 4096, 4.0, Codebook("mcg"), False, False))
+    cfg = plan_gemm(1, lin, sm_count=sms, arch=arch, input="float16", output="float16").config
+    assert cfg.spread_sum
+    spread, warp0 = sass.gemm_report(cfg, arch), sass.gemm_report(replace(cfg, spread_sum=False), arch)
+    ins = spread.instructions
+    atom = next(i for i, x in enumerate(ins) if x.opcode.startswith("ATOMG"))
+    first_add = next(i for i in range(atom, len(ins)) if ins[i].opcode == "FADD")
+    loads = [x for x in ins[atom:first_add] if x.opcode.startswith("LDG.E.STRONG")]
+    assert len(loads) == SPREAD_LOADS, [x.opcode for x in ins[atom:first_add]]
+    assert spread.registers <= warp0.registers and spread.spill_instructions == 0

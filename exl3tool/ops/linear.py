@@ -28,7 +28,7 @@ import torch
 from exl3tool.format import Codebook, LinearInfo, LinearTensors
 from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.gemm import GemmConfig, fitting_config
-from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
+from exl3tool.kernels.rotate import SPLITS_IN_FLIGHT, InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves, x_stages_index
 from exl3tool.ops import fold, launch, targets
 from exl3tool.ops.runtime import require_gpu, target_arch
@@ -168,6 +168,10 @@ def plan_gemm(
     if rotated_input is not None:
         cfg = replace(cfg, input=rotated_input, resident_k_tiles=per_split)
     splits = math.ceil(k_tiles / per_split)
+    if cfg.input is not None and cfg.output is not None and splits > SPLITS_IN_FLIGHT:
+        # H200, graph, y bit-identical, us: 14336x4096 (14 splits) 19.8 -> 19.4, 4096x4096 10.1 -> 9.3, 8192x2048
+        # 11.1 -> 9.8, K=2 mul1 14336x4096 20.3 -> 19.2; but 4096x14336 (4 splits) 18.8 -> 19.3 (docs/perf.md, s23)
+        cfg = replace(cfg, spread_sum=True)
     if cfg.mma == "wgmma" and cfg.output is not None and splits == 1:
         cfg = replace(cfg, whole_k=True)  # its epilogue rotates the CTA's tiles in shared memory
     return GemmPlan(cfg, splits, per_split)

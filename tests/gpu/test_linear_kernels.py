@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from exl3tool.kernels.gemm import GemmConfig
+from exl3tool.kernels.rotate import SPREAD_LOADS
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import linear as ops
 from exl3tool.reference import decode_trellis, linear_forward, rotate_input, rotate_output
@@ -320,6 +321,28 @@ def test_gemm_rotating_its_input_equals_the_rotation_kernel(seed, bits, codebook
     for _ in range(2):
         fused = ops.linear_forward(x, lin, torch.float32, path="gemm", out=poisoned((1, 384), torch.float32))
         assert torch.equal(fused, separate), f"seed={seed}"
+
+
+@pytest.mark.parametrize("in_features", [7168, 14336])
+def test_one_token_epilogue_sums_many_splits_as_the_rotation_kernel(seed, in_features):
+    """M = 1 with more K splits than a lane loads at once (``rotate.SPREAD_LOADS``; both widths leave a part-filled
+    last batch): every warp of the last CTA sums its columns in split order (``spread_sum``), so y has the rotation
+    kernel's bits; twice into NaN-poisoned outputs, and once in graph replay."""
+    tensors, lin = device_linear(seed, in_features, 256, 4.0, "mcg", bias=True)
+    x = torch.randn(1, in_features, dtype=torch.float16, device="cuda")
+    plan = ops.plan_for(lin, x, torch.float16, "gemm")
+    assert plan.launches == 1 and plan.gemm_plan.splits > SPREAD_LOADS and plan.gemm_plan.config.spread_sum
+    separate = ops.linear_forward(x, lin, torch.float16, path="gemm-unfused")
+    for _ in range(2):
+        fused = ops.linear_forward(x, lin, torch.float16, path="gemm", out=poisoned((1, 256), torch.float16))
+        assert torch.equal(fused, separate), f"seed={seed}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ops.linear_forward(x, lin, torch.float16, path="gemm")
+    static_y.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(static_y, separate), f"seed={seed}"
+    assert rel_l2(fused.float(), linear_forward(x, tensors)) <= 2e-3, f"seed={seed}"
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
