@@ -344,6 +344,16 @@ def ld_global_cg_f32_or_neg_zero(gmem_addr, load, *, loc=None, ip=None) -> Float
 
 
 @dsl_user_op
+def ld_global_cg_v4_f32_or_neg_zero(gmem_addr, load, *, loc=None, ip=None):
+    """``ld_global_cg_v4_f32`` where ``load`` is nonzero; else four -0.0 (no memory access), which add to any
+    value without changing it."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(load).ir_value(loc=loc, ip=ip)]
+    text = ("{.reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0x80000000; mov.b32 $1, 0x80000000; "
+            "mov.b32 $2, 0x80000000; mov.b32 $3, 0x80000000; @p ld.global.cg.v4.f32 {$0,$1,$2,$3}, [$4];}")
+    return _asm_4(Float32, values, text, "=f,=f,=f,=f,l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ld_global_cg_v4_f32(gmem_addr, *, loc=None, ip=None):
     """Four fp32 from a 16-byte aligned global address, cached in L2 only: data other CTAs just wrote
     (after ``count_in``) must not come from a stale L1 line."""

@@ -30,7 +30,10 @@ INV_SQRT_128 = 1.0 / math.sqrt(128.0)
 # 6.1, 4096x14336 M=256 3.0 -> 2.5; output 14336x4096 M=16 / 64 / 256 3.3 / 3.0 / 4.6 -> 3.7 / 3.8 / 5.9.
 # The GEMM epilogues and the MoE rotations hold 4.
 INPUT_LANE_VALUES, OUTPUT_LANE_VALUES = 8, 4
-SPLITS_IN_FLIGHT = 4  # splits ``reduce_rotate_store`` keeps loading at once (its loop's unroll)
+# fp32 partial values a lane of ``reduce_rotate_store`` loads at once (a batch of splits, then their additions in
+# order): 8 splits at 4 values a lane, 4 at 8. fp16 partials keep a loop unrolled by 4 (ptxas hoists 3 of its loads).
+SPLIT_BATCH_VALUES = 32
+SPLITS_IN_FLIGHT = SPLIT_BATCH_VALUES // OUTPUT_LANE_VALUES  # splits the GEMM epilogue's warp loads at once
 SPREAD_LOADS = 16  # split partials a lane loads at once in ``reduce_rotate_store_spread``
 
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
@@ -242,8 +245,8 @@ def reduce_rotate_store(
     """A warp's 128-blocks of ``y[row] = H128(sum_s P[s, row]) * svh (+ bias)``, columns < out_true: this lane's
     ``n`` (4 or 8) columns from ``col0``, stored if ``exists`` (its lanes still take part in the butterflies).
 
-    Vector loads per split (``n`` consecutive columns per lane), unrolled so several splits are in flight; the
-    splits are summed in index order, so the result does not depend on timing (graph replays are identical).
+    Vector loads per split (``n`` consecutive columns per lane), a batch of splits in flight (fp32 partials:
+    ``SPLIT_BATCH_VALUES``); the splits are summed in index order, so the result does not depend on timing (graph replays are identical).
     Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
     svh = load_vector(mSvh, col0, n)
     bias = load_vector(mBias, col0, n) if cutlass.const_expr(has_bias) else None
@@ -252,10 +255,20 @@ def reduce_rotate_store(
     elem = 4 if partial_f32 else 2
     addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col0) * elem
     split_bytes = Int64(mP.shape[1]) * mP.shape[2] * elem
-    for split in cutlass.range(mP.shape[0], unroll=SPLITS_IN_FLIGHT):
-        part = partial_values(addr + split * split_bytes, n, partial_f32)
-        for i in cutlass.range_constexpr(n):
-            acc[i] = acc[i] + part[i]
+    splits = mP.shape[0]
+    if cutlass.const_expr(partial_f32):
+        batch = SPLIT_BATCH_VALUES // n
+        for s0 in cutlass.range(0, splits, batch):  # the batch's loads first, then its additions in order
+            parts = [[x for c in range(0, n, 4) for x in ptx.ld_global_cg_v4_f32_or_neg_zero(
+                addr + (s0 + b) * split_bytes + 16 * (c // 4), Int32(s0 + b < splits))] for b in range(batch)]
+            for b in cutlass.range_constexpr(batch):  # past the last split: + -0.0, no change
+                for i in cutlass.range_constexpr(n):
+                    acc[i] = acc[i] + parts[b][i]
+    else:
+        for split in cutlass.range(splits, unroll=4):
+            part = partial_values(addr + split * split_bytes, n, partial_f32)
+            for i in cutlass.range_constexpr(n):
+                acc[i] = acc[i] + part[i]
     y = rotated_output_values([acc[i] for i in range(n)], svh, bias, lane)
     if exists:
         store_row_values(mY, row, col0, y, out_type, DTYPE_NAMES[out_type])

@@ -241,3 +241,24 @@ def test_spread_sum_issues_a_batch_of_split_loads_before_its_first_addition(arch
     loads = [x for x in ins[atom:first_add] if x.opcode.startswith("LDG.E.STRONG")]
     assert len(loads) == SPREAD_LOADS, [x.opcode for x in ins[atom:first_add]]
     assert spread.registers <= warp0.registers and spread.spill_instructions == 0
+
+
+def test_fused_epilogue_loads_a_batch_of_splits_before_adding_them():
+    """sm_90a, the planner's 14336x4096 GEMM at 8 tokens (14 splits, output fused): after the arrival atomic each
+    lane issues most of a batch of split loads (``SPLITS_IN_FLIGHT``, 16-byte) before the first addition, against
+    3 of an unrolled loop; no spills, registers within the planner's table."""
+    from exl3tool.format import Codebook, LinearInfo
+    from exl3tool.kernels.rotate import SPLITS_IN_FLIGHT
+    from exl3tool.ops.linear import plan_gemm
+    from exl3tool.ops.targets import GEMM_REGISTERS
+
+    lin = SimpleNamespace(info=LinearInfo("x", 14336, 4096, 14336, 4096, 4.0, Codebook("mcg"), False, False))
+    plan = plan_gemm(8, lin, sm_count=132, arch="sm_90a", output="float16")
+    assert plan.splits > SPLITS_IN_FLIGHT and not plan.config.spread_sum
+    k = sass.gemm_report(plan.config, "sm_90a")
+    ins = k.instructions
+    atom = next(i for i, x in enumerate(ins) if x.opcode.startswith("ATOMG"))
+    first_add = next(i for i in range(atom, len(ins)) if ins[i].opcode == "FADD")
+    loads = [x for x in ins[atom:first_add] if x.opcode.startswith("LDG.E.128.STRONG")]
+    assert len(loads) >= SPLITS_IN_FLIGHT - 1, [x.opcode for x in ins[atom:first_add]]
+    assert k.registers <= GEMM_REGISTERS[1] and k.spill_instructions == 0
