@@ -246,7 +246,8 @@ def reduce_rotate_store(
     ``n`` (4 or 8) columns from ``col0``, stored if ``exists`` (its lanes still take part in the butterflies).
 
     Vector loads per split (``n`` consecutive columns per lane), a batch of splits in flight (fp32 partials:
-    ``SPLIT_BATCH_VALUES``); the splits are summed in index order, so the result does not depend on timing (graph replays are identical).
+    ``SPLIT_BATCH_VALUES``); the splits are summed in index order, so the result does not depend on timing (graph
+    replays are identical).
     Loads bypass L1: in the GEMM's fused epilogue the partials were just written by other CTAs."""
     svh = load_vector(mSvh, col0, n)
     bias = load_vector(mBias, col0, n) if cutlass.const_expr(has_bias) else None
@@ -266,7 +267,7 @@ def reduce_rotate_store(
                     acc[i] = acc[i] + parts[b][i]
     else:
         for split in cutlass.range(splits, unroll=4):
-            part = partial_values(addr + split * split_bytes, n, partial_f32)
+            part = fp16_partial_values(addr + split * split_bytes, n)
             for i in cutlass.range_constexpr(n):
                 acc[i] = acc[i] + part[i]
     y = rotated_output_values([acc[i] for i in range(n)], svh, bias, lane)
@@ -305,11 +306,9 @@ def reduce_rotate_store_spread(mP: cute.Tensor, mSvh: cute.Tensor, mBias: cute.T
         store_row_values(mY, row, block * 128 + 4 * lane, y, out_type, DTYPE_NAMES[out_type])
 
 
-def partial_values(addr, n: int, partial_f32: bool):
-    """``n`` (4 or 8) consecutive fp32 or fp16 partial sums at ``addr`` as Float32, through L2 only, 16 bytes a
-    load where they fill one. Traced inline."""
-    if partial_f32:
-        return [x for c in range(0, n, 4) for x in ptx.ld_global_cg_v4_f32(addr + 16 * (c // 4))]
+def fp16_partial_values(addr, n: int):
+    """``n`` (4 or 8) consecutive fp16 partial sums at ``addr`` as Float32, through L2 only, 16 bytes a load where
+    they fill one. Traced inline."""
     if n == 4:
         return list(ptx.ld_global_cg_v4_f16_as_f32(addr))
     w = ptx.ld_global_cg_v4_b32(addr)

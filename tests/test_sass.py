@@ -206,7 +206,6 @@ def test_paired_hashes_move_alu_work_to_imads_on_sm90(codebook, monkeypatch):
 def test_three_stage_loop_is_unrolled_over_its_stages():
     """sm_90a, the planner's M = 1 GEMM rotating its input (3 stages): the loop body holds one chunk a stage, so
     every stage address is static and it issues no more a weight than the 2-stage loop (mainloop.chunk_unroll)."""
-
     from exl3tool.format import Codebook, LinearInfo
     from exl3tool.kernels.mainloop import chunk_unroll
     from exl3tool.ops.linear import plan_gemm
@@ -222,6 +221,15 @@ def test_three_stage_loop_is_unrolled_over_its_stages():
     assert three.registers <= GEMM_REGISTERS[1]
 
 
+def loads_before_first_add(kernel, load_prefix: str) -> list:
+    """The loads (opcodes starting ``load_prefix``) a kernel issues between its arrival atomic (the split-K
+    epilogue's ``count_in``) and its first FADD: the split loads in flight when the sum starts."""
+    ins = kernel.instructions
+    atom = next(i for i, x in enumerate(ins) if x.opcode.startswith("ATOMG"))
+    first_add = next(i for i in range(atom, len(ins)) if ins[i].opcode == "FADD")
+    return [x for x in ins[atom:first_add] if x.opcode.startswith(load_prefix)]
+
+
 @pytest.mark.parametrize("arch,sms", [("sm_90a", 132), ("sm_120a", 170)])
 def test_spread_sum_issues_a_batch_of_split_loads_before_its_first_addition(arch, sms):
     """The planned M = 1 GEMM of 14336x4096 (14 splits, ``spread_sum``): after its arrival atomic, every lane
@@ -235,11 +243,8 @@ def test_spread_sum_issues_a_batch_of_split_loads_before_its_first_addition(arch
     cfg = plan_gemm(1, lin, sm_count=sms, arch=arch, input="float16", output="float16").config
     assert cfg.spread_sum
     spread, warp0 = sass.gemm_report(cfg, arch), sass.gemm_report(replace(cfg, spread_sum=False), arch)
-    ins = spread.instructions
-    atom = next(i for i, x in enumerate(ins) if x.opcode.startswith("ATOMG"))
-    first_add = next(i for i in range(atom, len(ins)) if ins[i].opcode == "FADD")
-    loads = [x for x in ins[atom:first_add] if x.opcode.startswith("LDG.E.STRONG")]
-    assert len(loads) == SPREAD_LOADS, [x.opcode for x in ins[atom:first_add]]
+    loads = loads_before_first_add(spread, "LDG.E.STRONG")
+    assert len(loads) == SPREAD_LOADS, [x.opcode for x in loads]
     assert spread.registers <= warp0.registers and spread.spill_instructions == 0
 
 
@@ -256,9 +261,6 @@ def test_fused_epilogue_loads_a_batch_of_splits_before_adding_them():
     plan = plan_gemm(8, lin, sm_count=132, arch="sm_90a", output="float16")
     assert plan.splits > SPLITS_IN_FLIGHT and not plan.config.spread_sum
     k = sass.gemm_report(plan.config, "sm_90a")
-    ins = k.instructions
-    atom = next(i for i, x in enumerate(ins) if x.opcode.startswith("ATOMG"))
-    first_add = next(i for i in range(atom, len(ins)) if ins[i].opcode == "FADD")
-    loads = [x for x in ins[atom:first_add] if x.opcode.startswith("LDG.E.128.STRONG")]
-    assert len(loads) >= SPLITS_IN_FLIGHT - 1, [x.opcode for x in ins[atom:first_add]]
+    loads = loads_before_first_add(k, "LDG.E.128.STRONG")
+    assert len(loads) >= SPLITS_IN_FLIGHT - 1, [x.opcode for x in loads]
     assert k.registers <= GEMM_REGISTERS[1] and k.spill_instructions == 0

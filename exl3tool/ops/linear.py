@@ -170,7 +170,8 @@ def plan_gemm(
     splits = math.ceil(k_tiles / per_split)
     if cfg.input is not None and cfg.output is not None and splits > SPLITS_IN_FLIGHT:
         # H200, graph, y bit-identical, us: 14336x4096 (14 splits) 19.8 -> 19.4, 4096x4096 10.1 -> 9.3, 8192x2048
-        # 11.1 -> 9.8, K=2 mul1 14336x4096 20.3 -> 19.2; but 4096x14336 (4 splits) 18.8 -> 19.3 (docs/perf.md, s23)
+        # 11.1 -> 9.8, K=2 mul1 14336x4096 20.3 -> 19.2; but 4096x14336 (4 splits) 18.8 -> 19.3 (docs/perf.md, s23).
+        # From 9 splits since warp 0 loads 8 at once (s24); 5-8 splits against that batch were not measured.
         cfg = replace(cfg, spread_sum=True)
     if cfg.mma == "wgmma" and cfg.output is not None and splits == 1:
         cfg = replace(cfg, whole_k=True)  # its epilogue rotates the CTA's tiles in shared memory
