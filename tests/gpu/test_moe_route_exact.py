@@ -32,7 +32,7 @@ def test_route_top_k_exact_with_ties(seed, m):
     x[0] = 0  # every logit +0: the lowest k ids
     T = 8
     blocks = -(-m * k // T) + min(e, m * k)
-    logits = torch.empty(m, e, device="cuda")
+    logits = torch.full((m, e), float("nan"), device="cuda")  # poisoned: every logit must be written
     ids = torch.empty(m, k, dtype=torch.int32, device="cuda")
     w = torch.empty(m, k, device="cuda")
     rank = torch.empty(m * k, dtype=torch.int32, device="cuda")
@@ -46,6 +46,8 @@ def test_route_top_k_exact_with_ties(seed, m):
                    counts, expert_row, block_expert, row_route, T)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
+    # each logit in its (token, expert) place, whatever the tiles
+    torch.testing.assert_close(logits, x.float() @ router.float().t(), rtol=1e-3, atol=1e-4)
     ranked = (order_key(logits) << 8) + (255 - torch.arange(e, device="cuda"))  # higher key, then lower id
     want = ranked.topk(k, dim=1).indices
     plain = (logits != 0).all(1)  # -0 and +0 compare equal inside a lane: key order only without zeros
