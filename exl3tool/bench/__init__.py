@@ -11,6 +11,7 @@
     peers.py     ExLlamaV3's linear and MoE block
     run.py       the driver: check against the reference, then time
     sassreport.py, plot.py
+    ab.py        A/B of tuning constants, each variant in its own processes (python -m exl3tool.bench.ab)
 
 torch and the kernels are imported only when a function runs, so the CLI starts fast.
 """

@@ -1,0 +1,254 @@
+"""A/B of tuning constants: each variant in its own processes, taking turns, y digests compared.
+
+    python -m exl3tool.bench.ab [--rounds N] [--replays R] --variant NAME[:MODULE.ATTR=VALUE;...] ... CASE ...
+
+A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g.
+``--variant base --variant fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16``. A case is ``dense:INxOUT:M[:BITS[:CB]]``
+(a random linear, K=4 mcg by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as
+one CUDA graph over enough L2-cold weight copies and prints its median and a digest of y; the report gives each
+case's median over the processes of a variant and says where variants' y differ.
+
+Why processes, in turns: two processes of one variant differ by up to ~1 us at M=1 while one process's replays agree
+within 0.1 (docs/perf.md, Method), and two compiled copies of one kernel config in one process are unsafe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+RESULT = "AB-RESULT"
+MOE_COPIES = 10  # layer copies of the MoE case: 10 x 302 MB, past 3x any current L2
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[tuple[str, str, object], ...]  # (module, attribute, value)
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "dense" | "moe"
+    tokens: int
+    in_features: int = 0
+    out_features: int = 0
+    bits: float = 4.0
+    codebook: str = "mcg"
+
+
+def parse_variant(text: str) -> Variant:
+    name, _, rest = text.partition(":")
+    if not name.isidentifier():
+        raise ValueError(f"variant {text!r}: NAME[:MODULE.ATTR=VALUE;...] with NAME an identifier")
+    overrides = []
+    for item in filter(None, rest.split(";")):
+        target, eq, value = item.partition("=")
+        module, _, attr = target.strip().rpartition(".")
+        if not eq or not module or not attr:
+            raise ValueError(f"variant {name}: {item!r} is not MODULE.ATTR=VALUE")
+        try:
+            overrides.append((module, attr, ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError):
+            raise ValueError(f"variant {name}: {value.strip()!r} is not a Python literal") from None
+    return Variant(name, tuple(overrides))
+
+
+def parse_case(text: str) -> Case:
+    kind, *fields = text.split(":")
+    try:
+        if kind == "moe" and len(fields) == 1:
+            return Case("moe", int(fields[0]))
+        if kind == "dense" and 2 <= len(fields) <= 4:
+            k, n = (int(v) for v in fields[0].split("x"))
+            bits = float(fields[2]) if len(fields) > 2 else 4.0
+            return Case("dense", int(fields[1]), k, n, bits, fields[3] if len(fields) > 3 else "mcg")
+    except ValueError:
+        pass
+    raise ValueError(f"case {text!r}: dense:INxOUT:M[:BITS[:CODEBOOK]] or moe:M")
+
+
+def apply(variant: Variant, dry_run: bool = False) -> None:
+    """Set the variant's attributes (``dry_run``: only check them); each must already exist, so that a typo does
+    not pass as a variant that changes nothing."""
+    for module, attr, value in variant.overrides:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            raise ValueError(f"variant {variant.name}: no module {module}") from None
+        if not hasattr(mod, attr):
+            raise ValueError(f"variant {variant.name}: {module} has no attribute {attr}")
+        if not dry_run:
+            setattr(mod, attr, value)
+
+
+def summarize(lines: list[str]) -> str:
+    """The report of a run from its workers' result lines (``RESULT variant case us digest plan...``)."""
+    times: dict[tuple[str, str], list[float]] = {}
+    digests: dict[tuple[str, str], set[str]] = {}
+    plans: dict[tuple[str, str], str] = {}
+    for line in lines:
+        if not line.startswith(RESULT):
+            continue
+        _, variant, case, us, digest, *plan = line.split()
+        times.setdefault((case, variant), []).append(float(us))
+        digests.setdefault((case, variant), set()).add(digest)
+        plans[(case, variant)] = " ".join(plan)
+    cases = list(dict.fromkeys(c for c, _ in times))
+    variants = list(dict.fromkeys(v for _, v in times))
+    width = max([len(c) for c in cases] + [4]) + 2
+    out = ["case".ljust(width) + "".join(v.rjust(12) for v in variants) + "  y"]
+    for c in cases:
+        cells = [f"{statistics.median(times[(c, v)]):12.2f}" if (c, v) in times else " " * 11 + "-" for v in variants]
+        seen = set().union(*(digests.get((c, v), set()) for v in variants))
+        out.append(c.ljust(width) + "".join(cells) + ("  same" if len(seen) == 1 else "  DIFFERS"))
+        out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
+    return "\n".join(out)
+
+
+# --- the worker (GPU) ------------------------------------------------------------------------------------------
+
+
+def _digest(t) -> str:
+    import torch
+
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()[:10]
+
+
+def _graph_us(step, calls: int, replays: int) -> float:
+    from exl3tool.bench import timing
+
+    graph = timing.capture_graph(step)
+    timing.warm_up(graph.replay)
+    (t,) = timing.time_interleaved([(graph.replay, calls)], replays)
+    return t.median_us
+
+
+def _dense(case: Case, replays: int):
+    import torch
+
+    from exl3tool.bench import cases
+    from exl3tool.ops.linear import DeviceLinear, linear_forward, plan_for
+    from exl3tool.synthetic import random_linear
+
+    dev = torch.device("cuda")
+    first = random_linear(case.in_features, case.out_features, case.bits, case.codebook, seed=1)
+    copies = cases.weight_copies(first.trellis.numel() * 2, torch.cuda.get_device_properties(dev).L2_cache_size)
+    lins = [DeviceLinear.from_tensors(first if i == 0 else cases.clone(first), dev) for i in range(copies)]
+    g = torch.Generator(device=dev).manual_seed(7 + case.tokens)
+    x = torch.randn(case.tokens, case.in_features, generator=g, device=dev).half()
+    ys = [torch.full((case.tokens, case.out_features), float("nan"), device=dev, dtype=torch.float16) for _ in lins]
+
+    def step():
+        for lin, y in zip(lins, ys):
+            linear_forward(x, lin, out=y)
+
+    step()
+    torch.cuda.synchronize()
+    plan = plan_for(lins[0], x)
+    gemm = getattr(plan, "gemm_plan", None)
+    info = plan.path + (f" splits={gemm.splits} mma={gemm.config.mma}" if gemm else "")
+    return _digest(ys[0]), _graph_us(step, len(lins), replays), info
+
+
+def _moe(case: Case, replays: int, folder: str):
+    import torch
+
+    from exl3tool.bench import cases
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.ops import moe
+
+    dev = torch.device("cuda")
+    reader = open_checkpoint(folder)
+    try:
+        base = reader.moe(0, dev)
+    finally:
+        reader.close()
+    layers = [moe.DeviceMoE.from_layer(base if i == 0 else cases.clone(base), dev) for i in range(MOE_COPIES)]
+    g = torch.Generator(device=dev).manual_seed(11 + case.tokens)
+    x = torch.randn(case.tokens, layers[0].hidden, generator=g, device=dev).half()
+    plans = [moe.plan_moe(layer, case.tokens, x.dtype) for layer in layers]
+    ys = []
+
+    def step():
+        ys.clear()
+        ys.extend(moe.moe_forward(x, p) for p in plans)
+
+    step()
+    torch.cuda.synchronize()
+    return _digest(ys[0]), _graph_us(step, len(plans), replays), f"launches={plans[0].launches(case.tokens)}"
+
+
+def worker(variant: Variant, case_texts: list[str], replays: int, moe_folder: str | None) -> None:
+    apply(variant)
+    for text in case_texts:
+        case = parse_case(text)
+        digest, us, info = _dense(case, replays) if case.kind == "dense" else _moe(case, replays, moe_folder)
+        print(f"{RESULT} {variant.name} {text} {us:.3f} {digest} {info}", flush=True)
+
+
+def _moe_folder() -> str:
+    import tempfile
+
+    from exl3tool.synthetic import write_checkpoint
+
+    folder = tempfile.mkdtemp(prefix="exl3tool-ab-moe-")
+    write_checkpoint(folder, arch="qwen3_moe", hidden=2048, moe_intermediate=768, num_experts=128, top_k=8,
+                     num_layers=1, bits=4.0, codebook="mcg", vocab=1024, num_heads=16, num_kv_heads=4, head_dim=128,
+                     seed=0)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m exl3tool.bench.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("cases", nargs="+", metavar="CASE")
+    p.add_argument("--variant", action="append", required=True, metavar="NAME[:MODULE.ATTR=VALUE;...]")
+    p.add_argument("--rounds", type=int, default=3, help="processes per variant, taken in turns")
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--moe-folder", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        parsed = [parse_case(c) for c in args.cases]
+        for v in variants:
+            apply(v, dry_run=True)
+    except ValueError as error:
+        p.error(str(error))
+    if args.worker:
+        worker(variants[0], args.cases, args.replays, args.moe_folder)
+        return 0
+    if len({v.name for v in variants}) != len(variants):
+        p.error("variant names must differ")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (none is visible to torch)")
+    folder = _moe_folder() if any(c.kind == "moe" for c in parsed) else None
+    lines = []
+    try:
+        for _ in range(args.rounds):
+            for text in args.variant:
+                cmd = [sys.executable, "-m", "exl3tool.bench.ab", "--worker", "--variant", text,
+                       "--replays", str(args.replays), *(["--moe-folder", folder] if folder else []), *args.cases]
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode:
+                    print(f"variant {text}: worker failed\n{run.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                lines += run.stdout.splitlines()
+    finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(summarize(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

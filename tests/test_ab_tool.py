@@ -1,0 +1,73 @@
+"""The A/B tool's parsing, overrides and report (``exl3tool.bench.ab``); the timing itself needs a GPU."""
+
+import pytest
+
+from exl3tool.bench import ab
+from exl3tool.ops import linear
+
+
+def test_variants_parse_to_module_attribute_literals():
+    v = ab.parse_variant("fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16; exl3tool.ops.targets.WAVE_FILL={'sm_90': 1.0}")
+    assert v.name == "fused"
+    assert v.overrides == (("exl3tool.ops.linear", "FUSED_MAX_TOKENS", 16),
+                           ("exl3tool.ops.targets", "WAVE_FILL", {"sm_90": 1.0}))
+    assert ab.parse_variant("base") == ab.Variant("base", ())
+    for bad, why in [("fused:FUSED_MAX_TOKENS=16", "MODULE.ATTR=VALUE"), ("x:a.b=c d", "literal"),
+                     ("two words", "identifier"), ("x:a.b", "MODULE.ATTR=VALUE")]:
+        with pytest.raises(ValueError, match=why):
+            ab.parse_variant(bad)
+
+
+def test_cases_parse_with_defaults():
+    assert ab.parse_case("dense:4096x14336:16") == ab.Case("dense", 16, 4096, 14336, 4.0, "mcg")
+    assert ab.parse_case("dense:14336x4096:8:2:mul1") == ab.Case("dense", 8, 14336, 4096, 2.0, "mul1")
+    assert ab.parse_case("moe:256") == ab.Case("moe", 256)
+    for bad in ("dense:4096:16", "dense:4096x14336", "moe", "moe:x", "conv:1"):
+        with pytest.raises(ValueError, match="dense:INxOUT:M"):
+            ab.parse_case(bad)
+
+
+def test_overrides_set_existing_attributes_only(monkeypatch):
+    monkeypatch.setattr(linear, "FUSED_MAX_TOKENS", linear.FUSED_MAX_TOKENS)  # restored after the test
+    before = linear.FUSED_MAX_TOKENS
+    v = ab.parse_variant(f"x:exl3tool.ops.linear.FUSED_MAX_TOKENS={before + 5}")
+    ab.apply(v, dry_run=True)
+    assert linear.FUSED_MAX_TOKENS == before
+    ab.apply(v)
+    assert linear.FUSED_MAX_TOKENS == before + 5
+    with pytest.raises(ValueError, match="has no attribute FUSED_MAX_TOKEN"):
+        ab.apply(ab.parse_variant("x:exl3tool.ops.linear.FUSED_MAX_TOKEN=1"))
+    with pytest.raises(ValueError, match="no module exl3tool.nope"):
+        ab.apply(ab.parse_variant("x:exl3tool.nope.A=1"))
+
+
+def test_report_takes_the_median_of_each_variants_processes_and_compares_y():
+    lines = [
+        "compile noise",
+        f"{ab.RESULT} base dense:4096x14336:16 23.0 aaaa gemm-unfused splits=4",
+        f"{ab.RESULT} new dense:4096x14336:16 22.0 aaaa gemm splits=4",
+        f"{ab.RESULT} base dense:4096x14336:16 23.4 aaaa gemm-unfused splits=4",
+        f"{ab.RESULT} new dense:4096x14336:16 21.0 aaaa gemm splits=4",
+        f"{ab.RESULT} base dense:4096x14336:16 22.9 aaaa gemm-unfused splits=4",
+        f"{ab.RESULT} new dense:4096x14336:16 25.0 aaaa gemm splits=4",
+        f"{ab.RESULT} base moe:1 24.7 bbbb launches=3",
+        f"{ab.RESULT} new moe:1 24.6 cccc launches=3",
+    ]
+    rows = ab.summarize(lines).splitlines()
+    dense = next(r for r in rows if r.startswith("dense:4096x14336:16"))
+    assert dense.split()[1:] == ["23.00", "22.00", "same"]
+    moe = next(r for r in rows if r.startswith("moe:1"))
+    assert moe.split()[1:] == ["24.70", "24.60", "DIFFERS"]
+    assert any("base: gemm-unfused splits=4 | new: gemm splits=4" in r for r in rows)
+
+
+def test_without_a_gpu_it_is_a_usage_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--variant", "base", "dense:256x256:1"])
+    assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--variant", "a", "--variant", "a", "dense:256x256:1"])
+    assert exit_.value.code == 2 and "must differ" in capsys.readouterr().err
