@@ -159,3 +159,20 @@ def test_one_token_gemm_spreads_its_sum_where_the_splits_exceed_one_warps_loads(
         assert not plan_gemm(1, linear(*shape), sms, arch=arch, output="float16").config.spread_sum
     assert plan_gemm(1, linear(14336, 4096), sms, arch=arch, input="float16", output="float16").config.spread_sum
     assert not plan_gemm(1, linear(4096, 14336), sms, arch=arch, input="float16", output="float16").config.spread_sum
+
+
+def test_split_halves_up_to_the_planned_token_groups(monkeypatch):
+    """``targets.SPLIT_HALVES_MAX_TOKEN_GROUPS`` (1) decides where the split loop, with X doubled, is planned: the
+    dense GEMM and the MoE route blocks ask the same function."""
+    from exl3tool.ops import targets
+
+    def plan(tokens):
+        return plan_gemm(tokens, linear(4096, 14336), 132, arch="sm_90a").config
+
+    assert plan(8).split_halves and plan(8).x_order == "doubled"
+    assert not plan(16).split_halves and plan(16).x_order == "fragments"
+    assert not targets.split_halves("sm_90a", "mcg", 2, 4.0)
+    monkeypatch.setattr(targets, "SPLIT_HALVES_MAX_TOKEN_GROUPS", 2)
+    assert plan(16).split_halves and plan(16).x_order == "doubled" and plan(16).token_groups == 2
+    assert not plan(32).split_halves
+    assert targets.split_halves("sm_90a", "mcg", 2, 4.0) and not targets.split_halves("sm_90a", "mul1", 2, 4.0)

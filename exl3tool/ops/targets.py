@@ -99,6 +99,11 @@ def decode_warps(codebook: str, token_groups: int) -> int:
 # warp's k-tile (32*K bytes) to a sub-partition every 29*K clocks. So the split loop stays under the memory time
 # from K = 2.5 on (K=4: 64 against 117 clocks; it issues 35 a k-tile) and would be tensor-bound at K = 2 (64 > 59).
 SPLIT_HALVES_MIN_BITS = {"sm_90": 1.0, "sm_120": 2.5, "sm_121": 2.5}
+# Token groups up to which the split loop is planned (dense GEMM and MoE route blocks alike). Measured slower at 2
+# (s6, before paired hashes: dense M=16 24.0 -> 25.4-25.8 us). Today's sm_90a loop at 2 groups compiles to about one
+# SASS a weight fewer split (K=4 mcg 4.77 against 5.88, K=2 4.86 / 5.96, K=6 3inst 5.70 / 6.80), with more registers
+# (62 at K=4; up to 72 at K=6-8, over GEMM_REGISTERS[2], and K=8 3inst spills): not re-measured (docs/perf.md, s25).
+SPLIT_HALVES_MAX_TOKEN_GROUPS = 1
 
 
 # Pipeline stages of the M = 1 GEMM that rotates its own input (one launch a linear), per arch (default 2). H200,
@@ -115,7 +120,8 @@ def rotated_input_stages(arch: str) -> int:
 
 def split_halves(arch: str, codebook: str, token_groups: int, bits: float) -> bool:
     min_bits = SPLIT_HALVES_MIN_BITS.get(arch.rstrip("af"))
-    return min_bits is not None and bits >= min_bits and codebook != "mul1" and token_groups == 1
+    return (min_bits is not None and bits >= min_bits and codebook != "mul1"
+            and token_groups <= SPLIT_HALVES_MAX_TOKEN_GROUPS)
 
 
 def limits(arch: str) -> SmLimits:
