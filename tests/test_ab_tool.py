@@ -61,6 +61,22 @@ def test_report_takes_the_median_of_each_variants_processes_and_compares_y():
     assert any("base: gemm-unfused splits=4 | new: gemm splits=4" in r for r in rows)
 
 
+def test_profiled_kernels_are_reported_per_case_and_variant():
+    name = "kernel_cutlass_kernel_exl3toolkernelsmoe_gemmMoEGemm_object_at_0x7f_1a2b"
+    assert ab.kernel_name(name) == "moe_gemmMoEGemm"
+    torch_kernel = "void at::native::vectorized_elementwise_kernel<4>(int)"
+    assert ab.kernel_name(torch_kernel) == "void_at::native::vectorized_elementwise_kernel<4>"
+    lines = [f"{ab.RESULT} base moe:1 24.7 bbbb launches=3", f"{ab.RESULT} new moe:1 24.6 bbbb launches=3"]
+    lines += [f"{ab.KERNEL} {v} moe:1 {us} {k}" for v, us, k in [
+        ("base", 6.0, "moe_routeMoERoute"), ("base", 25.6, "moe_gemmMoEGemm"), ("new", 5.0, "moe_routeMoERoute"),
+        ("base", 6.4, "moe_routeMoERoute"), ("new", 25.0, "moe_gemmMoEGemm"), ("new", 5.2, "moe_routeMoERoute")]]
+    rows = ab.summarize(lines).splitlines()
+    gemm = next(i for i, r in enumerate(rows) if "moe_gemmMoEGemm" in r)
+    route = next(i for i, r in enumerate(rows) if "moe_routeMoERoute" in r)
+    assert gemm < route  # the longest kernel first
+    assert rows[gemm].split()[1:] == ["25.60", "25.00"] and rows[route].split()[1:] == ["6.20", "5.10"]
+
+
 def test_without_a_gpu_it_is_a_usage_error(monkeypatch, capsys):
     import torch
 

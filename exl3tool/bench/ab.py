@@ -1,12 +1,14 @@
 """A/B of tuning constants: each variant in its own processes, taking turns, y digests compared.
 
-    python -m exl3tool.bench.ab [--rounds N] [--replays R] --variant NAME[:MODULE.ATTR=VALUE;...] ... CASE ...
+    python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile]
+                                --variant NAME[:MODULE.ATTR=VALUE;...] ... CASE ...
 
 A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g.
 ``--variant base --variant fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16``. A case is ``dense:INxOUT:M[:BITS[:CB]]``
 (a random linear, K=4 mcg by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as
 one CUDA graph over enough L2-cold weight copies and prints its median and a digest of y; the report gives each
-case's median over the processes of a variant and says where variants' y differ.
+case's median over the processes of a variant and says where variants' y differ; ``--profile`` adds each kernel's
+GPU time a call.
 
 Why processes, in turns: two processes of one variant differ by up to ~1 us at M=1 while one process's replays agree
 within 0.1 (docs/perf.md, Method), and two compiled copies of one kernel config in one process are unsafe.
@@ -18,6 +20,7 @@ import argparse
 import ast
 import hashlib
 import importlib
+import re
 import shutil
 import statistics
 import subprocess
@@ -25,6 +28,8 @@ import sys
 from dataclasses import dataclass
 
 RESULT = "AB-RESULT"
+KERNEL = "AB-KERNEL"
+PROFILE_REPLAYS = 5
 MOE_COPIES = 10  # layer copies of the MoE case: 10 x 302 MB, past 3x any current L2
 
 
@@ -94,7 +99,11 @@ def summarize(lines: list[str]) -> str:
     times: dict[tuple[str, str], list[float]] = {}
     digests: dict[tuple[str, str], set[str]] = {}
     plans: dict[tuple[str, str], str] = {}
+    kernels: dict[str, dict[str, dict[str, list[float]]]] = {}  # case -> kernel -> variant -> us per process
     for line in lines:
+        if line.startswith(KERNEL):
+            _, variant, case, us, name = line.split()
+            kernels.setdefault(case, {}).setdefault(name, {}).setdefault(variant, []).append(float(us))
         if not line.startswith(RESULT):
             continue
         _, variant, case, us, digest, *plan = line.split()
@@ -103,13 +112,18 @@ def summarize(lines: list[str]) -> str:
         plans[(case, variant)] = " ".join(plan)
     cases = list(dict.fromkeys(c for c, _ in times))
     variants = list(dict.fromkeys(v for _, v in times))
-    width = max([len(c) for c in cases] + [4]) + 2
+    names = [n for c in cases for n in kernels.get(c, {})]
+    width = max([len(c) for c in cases] + [len(n) + 2 for n in names] + [4]) + 2
     out = ["case".ljust(width) + "".join(v.rjust(12) for v in variants) + "  y"]
     for c in cases:
         cells = [f"{statistics.median(times[(c, v)]):12.2f}" if (c, v) in times else " " * 11 + "-" for v in variants]
         seen = set().union(*(digests.get((c, v), set()) for v in variants))
         out.append(c.ljust(width) + "".join(cells) + ("  same" if len(seen) == 1 else "  DIFFERS"))
         out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
+        for name, by_variant in sorted(kernels.get(c, {}).items(), key=lambda kv: -max(map(max, kv[1].values()))):
+            cells = [f"{statistics.median(by_variant[v]):12.2f}" if v in by_variant else " " * 11 + "-"
+                     for v in variants]
+            out.append(f"  {name}".ljust(width) + "".join(cells))
     return "\n".join(out)
 
 
@@ -122,16 +136,41 @@ def _digest(t) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()[:10]
 
 
-def _graph_us(step, calls: int, replays: int) -> float:
+def kernel_name(name: str) -> str:
+    """A CUDA kernel's name, short and without spaces: ours (CuTe DSL) as module and class, e.g. moe_gemmMoEGemm."""
+    ours = re.search(r"exl3toolkernels(\w+?)_object", name)
+    return re.sub(r"\s+", "_", ours.group(1) if ours else name.split("(")[0])[:60]
+
+
+def _measure(step, calls: int, replays: int, profile: bool) -> tuple[float, dict[str, float]]:
+    """Median us a call over ``replays`` graph replays of ``step`` (``calls`` calls); with ``profile`` also each
+    kernel's GPU time a call (torch.profiler over PROFILE_REPLAYS replays; a kernel launched early by PDL counts its
+    wait)."""
+    import torch
+
     from exl3tool.bench import timing
 
     graph = timing.capture_graph(step)
     timing.warm_up(graph.replay)
     (t,) = timing.time_interleaved([(graph.replay, calls)], replays)
-    return t.median_us
+    kernels: dict[str, float] = {}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_REPLAYS):
+                graph.replay()
+            torch.cuda.synchronize()
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                name = kernel_name(e.name)
+                kernels[name] = kernels.get(name, 0.0) + us / (PROFILE_REPLAYS * calls)
+    return t.median_us, kernels
 
 
-def _dense(case: Case, replays: int):
+def _dense(case: Case):
     import torch
 
     from exl3tool.bench import cases
@@ -155,10 +194,10 @@ def _dense(case: Case, replays: int):
     plan = plan_for(lins[0], x)
     gemm = getattr(plan, "gemm_plan", None)
     info = plan.path + (f" splits={gemm.splits} mma={gemm.config.mma}" if gemm else "")
-    return _digest(ys[0]), _graph_us(step, len(lins), replays), info
+    return _digest(ys[0]), step, len(lins), info
 
 
-def _moe(case: Case, replays: int, folder: str):
+def _moe(case: Case, folder: str):
     import torch
 
     from exl3tool.bench import cases
@@ -183,15 +222,18 @@ def _moe(case: Case, replays: int, folder: str):
 
     step()
     torch.cuda.synchronize()
-    return _digest(ys[0]), _graph_us(step, len(plans), replays), f"launches={plans[0].launches(case.tokens)}"
+    return _digest(ys[0]), step, len(plans), f"launches={plans[0].launches(case.tokens)}"
 
 
-def worker(variant: Variant, case_texts: list[str], replays: int, moe_folder: str | None) -> None:
+def worker(variant: Variant, case_texts: list[str], replays: int, moe_folder: str | None, profile: bool) -> None:
     apply(variant)
     for text in case_texts:
         case = parse_case(text)
-        digest, us, info = _dense(case, replays) if case.kind == "dense" else _moe(case, replays, moe_folder)
+        digest, step, calls, info = _dense(case) if case.kind == "dense" else _moe(case, moe_folder)
+        us, kernels = _measure(step, calls, replays, profile)
         print(f"{RESULT} {variant.name} {text} {us:.3f} {digest} {info}", flush=True)
+        for name, kernel_us in kernels.items():
+            print(f"{KERNEL} {variant.name} {text} {kernel_us:.3f} {name}", flush=True)
 
 
 def _moe_folder() -> str:
@@ -212,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", required=True, metavar="NAME[:MODULE.ATTR=VALUE;...]")
     p.add_argument("--rounds", type=int, default=3, help="processes per variant, taken in turns")
     p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--profile", action="store_true", help="also each kernel's GPU time a call (torch.profiler)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--moe-folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -223,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         p.error(str(error))
     if args.worker:
-        worker(variants[0], args.cases, args.replays, args.moe_folder)
+        worker(variants[0], args.cases, args.replays, args.moe_folder, args.profile)
         return 0
     if len({v.name for v in variants}) != len(variants):
         p.error("variant names must differ")
@@ -237,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for text in args.variant:
                 cmd = [sys.executable, "-m", "exl3tool.bench.ab", "--worker", "--variant", text,
-                       "--replays", str(args.replays), *(["--moe-folder", folder] if folder else []), *args.cases]
+                       "--replays", str(args.replays), *(["--profile"] if args.profile else []),
+                       *(["--moe-folder", folder] if folder else []), *args.cases]
                 run = subprocess.run(cmd, capture_output=True, text=True)
                 if run.returncode:
                     print(f"variant {text}: worker failed\n{run.stderr[-2000:]}", file=sys.stderr)
