@@ -291,6 +291,22 @@ def write_checkpoint(path: str | Path, spec: ModelSpec | None = None, **fields) 
     return path
 
 
+def moe_layer_head_dim(hidden: int) -> int:
+    """The attention head size of ``write_moe_layer``'s checkpoints: 128, or 64 where hidden needs it."""
+    return 128 if hidden % 128 == 0 else 64
+
+
+def write_moe_layer(path: str | Path, experts: int, top_k: int, hidden: int, intermediate: int, bits: float,
+                    codebook: str, seed: int = 0) -> Path:
+    """A one-layer Qwen3-MoE checkpoint of that MoE shape, which ExLlamaV3 can load too: what ``bench --moe`` and
+    the A/B tool measure."""
+    head_dim = moe_layer_head_dim(hidden)
+    heads = max(1, hidden // head_dim)
+    return write_checkpoint(path, arch="qwen3_moe", hidden=hidden, moe_intermediate=intermediate, num_experts=experts,
+                            top_k=top_k, num_layers=1, bits=bits, codebook=codebook, vocab=1024, num_heads=heads,
+                            num_kv_heads=heads // 4 if heads % 4 == 0 else 1, head_dim=head_dim, seed=seed)
+
+
 def edit_checkpoint(
     path: str | Path, *, drop=(), replace: Mapping[str, torch.Tensor | tuple] | None = None,
     add: Mapping[str, torch.Tensor | tuple] | None = None,

@@ -9,7 +9,7 @@ import torch
 
 import exl3tool
 from exl3tool.format import Codebook, MoEBlock
-from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint
+from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint, write_moe_layer
 
 
 @pytest.mark.parametrize("arch, block, experts_names", [
@@ -63,3 +63,17 @@ def test_legacy_signs_round_trip(tmp_path):
         t = ckpt.load_linear(info.name)
         assert t.suh.dtype == torch.float16 and set(t.suh.abs().unique().tolist()) == {1.0}
         assert ckpt.check() == []
+
+
+@pytest.mark.parametrize("hidden,head_dim", [(256, 128), (192, 64)])
+def test_moe_layer_checkpoint_has_the_asked_shape(tmp_path, hidden, head_dim):
+    """``write_moe_layer`` (bench --moe, the A/B tool): one Qwen3-MoE layer of E experts, top-k, hidden and
+    intermediate, at the bitrate and codebook asked."""
+    path = write_moe_layer(tmp_path / "m", 6, 2, hidden, 128, 3.0, "3inst", seed=1)
+    config = json.loads((path / "config.json").read_text())
+    assert config["head_dim"] == head_dim and config["num_hidden_layers"] == 1
+    with exl3tool.open_checkpoint(str(path)) as reader:
+        block = reader.layer(0).mlp
+        assert isinstance(block, MoEBlock) and len(block.experts) == 6 and block.routing.top_k == 2
+        gate = block.experts[0].gate
+        assert (gate.in_features, gate.out_features, gate.bits, gate.codebook) == (hidden, 128, 3.0, Codebook.INST3)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 RESULT = "AB-RESULT"
 KERNEL = "AB-KERNEL"
 PROFILE_REPLAYS = 5
+MOE_SHAPE = (128, 8, 2048, 768)  # the moe:M case: experts, top-k, hidden, intermediate (Qwen3-30B-A3B)
 MOE_COPIES = 10  # layer copies of the MoE case: 10 x 302 MB, past 3x any current L2
 
 
@@ -239,12 +240,10 @@ def worker(variant: Variant, case_texts: list[str], replays: int, moe_folder: st
 def _moe_folder() -> str:
     import tempfile
 
-    from exl3tool.synthetic import write_checkpoint
+    from exl3tool.synthetic import write_moe_layer
 
     folder = tempfile.mkdtemp(prefix="exl3tool-ab-moe-")
-    write_checkpoint(folder, arch="qwen3_moe", hidden=2048, moe_intermediate=768, num_experts=128, top_k=8,
-                     num_layers=1, bits=4.0, codebook="mcg", vocab=1024, num_heads=16, num_kv_heads=4, head_dim=128,
-                     seed=0)
+    write_moe_layer(folder, *MOE_SHAPE, bits=4.0, codebook="mcg")
     return folder
 
 

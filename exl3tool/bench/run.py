@@ -156,20 +156,16 @@ class _SyntheticMoE:
 
     def __init__(self, spec: MoESpec, bits: float, request: BenchRequest, ctx: Context):
         from exl3tool.checkpoint import open_checkpoint
-        from exl3tool.synthetic import write_checkpoint
+        from exl3tool.synthetic import moe_layer_head_dim, write_moe_layer
 
         self.dir = Path(tempfile.mkdtemp(prefix="exl3tool-bench-moe-"))
-        head_dim = 128 if spec.hidden % 128 == 0 else 64
-        heads = max(1, spec.hidden // head_dim)
-        write_checkpoint(self.dir, arch="qwen3_moe", hidden=spec.hidden, moe_intermediate=spec.intermediate,
-                         num_experts=spec.experts, top_k=spec.top_k, num_layers=1, bits=bits,
-                         codebook=request.codebook, vocab=1024, num_heads=heads,
-                         num_kv_heads=heads // 4 if heads % 4 == 0 else 1, head_dim=head_dim, seed=request.seed)
+        write_moe_layer(self.dir, spec.experts, spec.top_k, spec.hidden, spec.intermediate, bits, request.codebook,
+                        request.seed)
         folder = None
         if "exllamav3" in ctx.peers:
             from exl3tool.bench.peers import prepare_moe_folder
 
-            prepare_moe_folder(self.dir, 1, head_dim)
+            prepare_moe_folder(self.dir, 1, moe_layer_head_dim(spec.hidden))
             folder = self.dir
         self.reader = open_checkpoint(str(self.dir))
         name = f"{spec.hidden}x{spec.hidden}"  # the group label says experts and top-k
