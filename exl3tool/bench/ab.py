@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import importlib
 import re
@@ -171,17 +172,46 @@ def _measure(step, calls: int, replays: int, profile: bool) -> tuple[float, dict
     return t.median_us, kernels
 
 
-def _dense(case: Case):
+@functools.lru_cache(maxsize=None)
+def _linears(in_features: int, out_features: int, bits: float, codebook: str) -> list:
+    """The L2-cold weight copies of one random linear, made once for every M of the process."""
     import torch
 
     from exl3tool.bench import cases
-    from exl3tool.ops.linear import DeviceLinear, linear_forward, plan_for
+    from exl3tool.ops.linear import DeviceLinear
     from exl3tool.synthetic import random_linear
 
     dev = torch.device("cuda")
-    first = random_linear(case.in_features, case.out_features, case.bits, case.codebook, seed=1)
+    first = random_linear(in_features, out_features, bits, codebook, seed=1)
     copies = cases.weight_copies(first.trellis.numel() * 2, torch.cuda.get_device_properties(dev).L2_cache_size)
-    lins = [DeviceLinear.from_tensors(first if i == 0 else cases.clone(first), dev) for i in range(copies)]
+    return [DeviceLinear.from_tensors(first if i == 0 else cases.clone(first), dev) for i in range(copies)]
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_layers(folder: str) -> list:
+    """MOE_COPIES copies of the folder's MoE layer on the GPU, made once for every M of the process."""
+    import torch
+
+    from exl3tool.bench import cases
+    from exl3tool.checkpoint import open_checkpoint
+    from exl3tool.ops import moe
+
+    dev = torch.device("cuda")
+    reader = open_checkpoint(folder)
+    try:
+        base = reader.moe(0, dev)
+    finally:
+        reader.close()
+    return [moe.DeviceMoE.from_layer(base if i == 0 else cases.clone(base), dev) for i in range(MOE_COPIES)]
+
+
+def _dense(case: Case):
+    import torch
+
+    from exl3tool.ops.linear import linear_forward, plan_for
+
+    dev = torch.device("cuda")
+    lins = _linears(case.in_features, case.out_features, case.bits, case.codebook)
     g = torch.Generator(device=dev).manual_seed(7 + case.tokens)
     x = torch.randn(case.tokens, case.in_features, generator=g, device=dev).half()
     ys = [torch.full((case.tokens, case.out_features), float("nan"), device=dev, dtype=torch.float16) for _ in lins]
@@ -201,17 +231,10 @@ def _dense(case: Case):
 def _moe(case: Case, folder: str):
     import torch
 
-    from exl3tool.bench import cases
-    from exl3tool.checkpoint import open_checkpoint
     from exl3tool.ops import moe
 
     dev = torch.device("cuda")
-    reader = open_checkpoint(folder)
-    try:
-        base = reader.moe(0, dev)
-    finally:
-        reader.close()
-    layers = [moe.DeviceMoE.from_layer(base if i == 0 else cases.clone(base), dev) for i in range(MOE_COPIES)]
+    layers = _moe_layers(folder)
     g = torch.Generator(device=dev).manual_seed(11 + case.tokens)
     x = torch.randn(case.tokens, layers[0].hidden, generator=g, device=dev).half()
     plans = [moe.plan_moe(layer, case.tokens, x.dtype) for layer in layers]
@@ -226,10 +249,10 @@ def _moe(case: Case, folder: str):
     return _digest(ys[0]), step, len(plans), f"launches={plans[0].launches(case.tokens)}"
 
 
-def worker(variant: Variant, case_texts: list[str], replays: int, moe_folder: str | None, profile: bool) -> None:
+def worker(variant: Variant, cases: list[tuple[str, Case]], replays: int, moe_folder: str | None,
+           profile: bool) -> None:
     apply(variant)
-    for text in case_texts:
-        case = parse_case(text)
+    for text, case in cases:
         digest, step, calls, info = _dense(case) if case.kind == "dense" else _moe(case, moe_folder)
         us, kernels = _measure(step, calls, replays, profile)
         print(f"{RESULT} {variant.name} {text} {us:.3f} {digest} {info}", flush=True)
@@ -265,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         p.error(str(error))
     if args.worker:
-        worker(variants[0], args.cases, args.replays, args.moe_folder, args.profile)
+        worker(variants[0], list(zip(args.cases, parsed)), args.replays, args.moe_folder, args.profile)
         return 0
     if len({v.name for v in variants}) != len(variants):
         p.error("variant names must differ")
