@@ -145,6 +145,19 @@ def test_one_token_gemm_rotating_its_input_takes_three_stages_on_the_h200():
         assert plan_gemm(8, linear(*shape), 132, arch="sm_90a").config.stages == 2
 
 
+def test_dense_warpgroup_gemm_takes_up_to_eight_stages():
+    """The dense linear's warpgroup-MMA GEMM pipelines targets.DENSE_WGMMA_STAGES (8) where shared memory holds them
+    (33-128 tokens, still two CTAs an SM at 64), fewer at 256 tokens (6, its 36 KB stages), with the same splits as
+    at 6 stages; the MoE's route blocks keep targets.WGMMA_LAYOUT's 6."""
+    for shape in ((4096, 14336), (14336, 4096)):
+        for tokens, stages in ((40, 8), (64, 8), (128, 8), (256, 6)):
+            plan = plan_gemm(tokens, linear(*shape), 132, arch="sm_90a")
+            six = plan_gemm(tokens, linear(*shape), 132, arch="sm_90a", stages=6)
+            assert plan.config.mma == "wgmma" and plan.config.stages == stages, (shape, tokens)
+            assert plan.splits == six.splits and plan.config.smem_bytes <= 227 * 1024
+        assert gemm_resident_ctas("sm_90a", plan_gemm(64, linear(*shape), 132, arch="sm_90a").config) == 2
+
+
 @pytest.mark.parametrize("arch,sms", [("sm_90a", 132), ("sm_120a", 170)])
 def test_one_token_gemm_spreads_its_sum_where_the_splits_exceed_one_warps_loads(arch, sms):
     """M = 1 with the output rotation fused: the last CTA of a block sums it with every warp (``spread_sum``) where

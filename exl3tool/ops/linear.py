@@ -146,8 +146,8 @@ def plan_gemm(
     arch = arch or target_arch(lin.device)
     if config.get("mma", "wgmma" if uses_wgmma(tokens, arch) else "sync") == "wgmma":
         token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8, 16, 32))
-        config = {**WGMMA_LAYOUT, "split_halves": False, "x_order": targets.wgmma_x_order(8 * token_groups),
-                  **config}
+        config = {**WGMMA_LAYOUT, "stages": targets.DENSE_WGMMA_STAGES, "split_halves": False,
+                  "x_order": targets.wgmma_x_order(8 * token_groups), **config}
     token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8))
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:

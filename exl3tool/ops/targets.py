@@ -44,6 +44,12 @@ WGMMA_REGISTERS = {1: 128, 2: 128, 4: 128, 8: 128, 16: 152, 32: 248, 40: 256}
 # The planners' warpgroup-MMA GEMM layout, dense and MoE (GemmConfig / MoEGemmConfig fields): two warpgroups, 4
 # k-tiles per stage, 6 stages (up to 217 KB of sm_90a's 227 KB per CTA at 256 tokens). Measured in docs/perf.md.
 WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
+# The dense linear's warpgroup-MMA GEMM pipelines up to 8 stages where they fit (``fitting_config``: at 33-128
+# tokens; 256 keeps 6). H200, K=4 mcg unless said, whole linear, graph, two processes each, y bit-identical, us (6 ->
+# 8): 4096x14336 M=40 33.62 -> 33.25, M=64 34.58 -> 34.21 / 34.23 (two runs), M=128 46.34 -> 44.84; 14336x4096 M=64
+# 31.59 -> 31.18, M=128 42.99 -> 42.71; 4096x4096 M=64 13.64 -> 13.47; 14336x4096 K=2 mul1 M=48 29.15 -> 28.77.
+# 8 k-tiles a stage in 4 stages lost (M=64 34.58 -> 37.34). The MoE's blocks keep WGMMA_LAYOUT (not measured).
+DENSE_WGMMA_STAGES = 8
 # X's column order for that GEMM (GemmConfig.x_order) from this many tokens per CTA on: "stages" (written in the
 # stages' swizzled layout by the rotations; thread 0 brings a stage with one bulk copy per 64 columns), below it
 # "rows" (every thread's cp.async pieces). Same MMA operands, y bit-identical. H200, K=4 mcg, graph, two rounds, us,
@@ -102,7 +108,10 @@ SPLIT_HALVES_MIN_BITS = {"sm_90": 1.0, "sm_120": 2.5, "sm_121": 2.5}
 # Token groups up to which the split loop is planned (dense GEMM and MoE route blocks alike). Measured slower at 2
 # (s6, before paired hashes: dense M=16 24.0 -> 25.4-25.8 us). Today's sm_90a loop at 2 groups compiles to about one
 # SASS a weight fewer split (K=4 mcg 4.77 against 5.88, K=2 4.86 / 5.96, K=6 3inst 5.70 / 6.80), with more registers
-# (62 at K=4; up to 72 at K=6-8, over GEMM_REGISTERS[2], and K=8 3inst spills): not re-measured (docs/perf.md, s25).
+# (62 at K=4; up to 72 at K=6-8, over GEMM_REGISTERS[2], and K=8 3inst spills), but it ran slower again (H200, whole
+# linear / MoE layer, graph, two processes each, us, 1 -> 2 groups): 4096x14336 M=12 / 16 22.88 / 23.30 -> 23.52 /
+# 23.60, 14336x4096 M=16 24.00 -> 24.74 (K=2 mcg 22.10 -> 24.04, K=6 3inst 27.48 -> 27.72), 4096x4096 M=16 11.24 ->
+# 11.58; MoE M=96 / 128 (16-row blocks) 203.32 / 209.07 -> 211.04 / 217.95 (docs/perf.md, twenty-sixth session).
 SPLIT_HALVES_MAX_TOKEN_GROUPS = 1
 
 
