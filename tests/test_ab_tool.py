@@ -56,6 +56,8 @@ def test_report_takes_the_median_of_each_variants_processes_and_compares_y():
     rows = ab.summarize(lines).splitlines()
     dense = next(r for r in rows if r.startswith("dense:4096x14336:16"))
     assert dense.split()[1:] == ["23.00", "22.00", "same"]
+    spread = rows[rows.index(dense) + 1]
+    assert spread.split() == ["spread", "0.50", "4.00"]  # max - min over each variant's processes
     moe = next(r for r in rows if r.startswith("moe:1"))
     assert moe.split()[1:] == ["24.70", "24.60", "DIFFERS"]
     assert any("base: gemm-unfused splits=4 | new: gemm splits=4" in r for r in rows)

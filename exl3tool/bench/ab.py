@@ -7,8 +7,8 @@ A variant sets module attributes (``VALUE`` a Python literal) before anything ru
 ``--variant base --variant fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16``. A case is ``dense:INxOUT:M[:BITS[:CB]]``
 (a random linear, K=4 mcg by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as
 one CUDA graph over enough L2-cold weight copies and prints its median and a digest of y; the report gives each
-case's median over the processes of a variant and says where variants' y differ; ``--profile`` adds each kernel's
-GPU time a call.
+case's median over the processes of a variant, their spread (max - min) and where variants' y differ; ``--profile``
+adds each kernel's GPU time a call.
 
 Why processes, in turns: two processes of one variant differ by up to ~1 us at M=1 while one process's replays agree
 within 0.1 (docs/perf.md, Method), and two compiled copies of one kernel config in one process are unsafe.
@@ -121,6 +121,10 @@ def summarize(lines: list[str]) -> str:
         cells = [f"{statistics.median(times[(c, v)]):12.2f}" if (c, v) in times else " " * 11 + "-" for v in variants]
         seen = set().union(*(digests.get((c, v), set()) for v in variants))
         out.append(c.ljust(width) + "".join(cells) + ("  same" if len(seen) == 1 else "  DIFFERS"))
+        # the spread between processes of one variant: how far apart its medians would have to be to mean anything
+        spreads = [f"{max(times[(c, v)]) - min(times[(c, v)]):12.2f}" if (c, v) in times else " " * 11 + "-"
+                   for v in variants]
+        out.append("  spread".ljust(width) + "".join(spreads))
         out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
         for name, by_variant in sorted(kernels.get(c, {}).items(), key=lambda kv: -max(map(max, kv[1].values()))):
             cells = [f"{statistics.median(by_variant[v]):12.2f}" if v in by_variant else " " * 11 + "-"
