@@ -110,10 +110,20 @@ class DeviceLinear:
 EARLY_NEXT = "input"
 
 
-def early_next(kernel: str, tokens: int, arch: str) -> bool:
+# The mma.sync GEMM of a linear whose output rotation is a launch of its own (gemm-unfused: on the H200 M = 9..32, and
+# M = 2..8 wider than FUSED_MAX_OUT) lets that launch start right after the GEMM's wait, so the rotation's CTAs wait resident in the slots the GEMM's one wave
+# leaves free and start as it ends (H200 M=16: the three kernels take 23.4 us of GPU time a call, 26.5 with the gaps
+# between them). Not measured yet: off (docs/perf.md, twenty-sixth session, Next).
+UNFUSED_SYNC_GEMM_EARLY_NEXT = False
+
+
+def early_next(kernel: str, tokens: int, arch: str, fused_output: bool = False) -> bool:
     """Does the linear's ``kernel`` ("input", "gemm" or "output") let the next one launch right after its own wait
-    (EARLY_NEXT), at ``tokens`` on ``arch``?"""
-    return uses_wgmma(tokens, arch) and (EARLY_NEXT == "all" or (EARLY_NEXT == "input" and kernel == "input"))
+    (EARLY_NEXT; UNFUSED_SYNC_GEMM_EARLY_NEXT for an mma.sync GEMM followed by its output rotation), at ``tokens`` on
+    ``arch``?"""
+    if not uses_wgmma(tokens, arch):
+        return UNFUSED_SYNC_GEMM_EARLY_NEXT and kernel == "gemm" and not fused_output
+    return EARLY_NEXT == "all" or (EARLY_NEXT == "input" and kernel == "input")
 
 
 @dataclass(frozen=True)
@@ -239,7 +249,7 @@ class LinearPlan:
             rotated_input = _DTYPE_NAMES[in_dtype] if path == "gemm" and tokens == 1 else None
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
                                        has_bias=lin.bias is not None and output is not None, input=rotated_input,
-                                       early_next=early_next("gemm", tokens, arch))
+                                       early_next=early_next("gemm", tokens, arch, output is not None))
             x_order = self.gemm_plan.config.x_order
             rows = ((x_rows(tokens, self.gemm_plan.config), x_row_halves(info.in_padded, x_order)), torch.float16)
             xr, partials = scratch.views(device, rows,
