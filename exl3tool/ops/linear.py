@@ -110,10 +110,11 @@ class DeviceLinear:
 EARLY_NEXT = "input"
 
 
-# The mma.sync GEMM of a linear whose output rotation is a launch of its own (gemm-unfused: on the H200 M = 9..32, and
-# M = 2..8 wider than FUSED_MAX_OUT) lets that launch start right after the GEMM's wait, so the rotation's CTAs wait resident in the slots the GEMM's one wave
-# leaves free and start as it ends (H200 M=16: the three kernels take 23.4 us of GPU time a call, 26.5 with the gaps
-# between them). Not measured yet: off (docs/perf.md, twenty-sixth session, Next).
+# The mma.sync GEMM of a linear whose output rotation is a launch of its own (gemm-unfused: on the H200 M = 9..32,
+# and M = 2..8 wider than FUSED_MAX_OUT) lets that launch start right after the GEMM's wait, so the rotation's CTAs
+# wait resident in the slots the GEMM's one wave leaves free and start as it ends (H200 M=16: the three kernels take
+# 23.4 us of GPU time a call, 26.5 with the gaps between them). Not measured yet: off (docs/perf.md, twenty-sixth
+# session, Next).
 UNFUSED_SYNC_GEMM_EARLY_NEXT = False
 
 
