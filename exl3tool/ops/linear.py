@@ -6,8 +6,9 @@
     rotate_input / trellis_gemm / rotate_output / dequantize_t   the stages, for tests and benchmarks
 
 Small M streams the trellis through the decode GEMM (split over K so every SM has work), with the output
-rotation in its own kernel or fused into the GEMM's epilogue (and at M = 1 the input rotation in its prologue); from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat
-once and letting torch's tensor-core GEMM multiply is faster, and from ``FOLD_MIN_TOKENS`` on, decoding it with
+rotation in its own kernel or fused into the GEMM's epilogue (and at M = 1 the input rotation in its prologue);
+from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat once and letting torch's tensor-core GEMM multiply is faster,
+and from ``FOLD_MIN_TOKENS`` on, decoding it with
 both rotations folded in (no rotation passes over the activations). Where the GPU has warpgroup MMAs (sm_90a), the
 decode GEMM multiplies with them from ``WGMMA_MIN_TOKENS`` to ``WGMMA_MAX_TOKENS`` rows and stays the path there.
 The thresholds are H200 measurements.
