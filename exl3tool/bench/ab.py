@@ -116,20 +116,22 @@ def summarize(lines: list[str]) -> str:
     variants = list(dict.fromkeys(v for _, v in times))
     names = [n for c in cases for n in kernels.get(c, {})]
     width = max([len(c) for c in cases] + [len(n) + 2 for n in names] + [4]) + 2
+
+    def row(label: str, per_variant: dict[str, list[float]], stat) -> str:
+        """``label``, then ``stat`` of each variant's per-process values (``-`` where it has none)."""
+        return label.ljust(width) + "".join(f"{stat(per_variant[v]):12.2f}" if v in per_variant else " " * 11 + "-"
+                                            for v in variants)
+
     out = ["case".ljust(width) + "".join(v.rjust(12) for v in variants) + "  y"]
     for c in cases:
-        cells = [f"{statistics.median(times[(c, v)]):12.2f}" if (c, v) in times else " " * 11 + "-" for v in variants]
+        by_variant = {v: times[(c, v)] for v in variants if (c, v) in times}
         seen = set().union(*(digests.get((c, v), set()) for v in variants))
-        out.append(c.ljust(width) + "".join(cells) + ("  same" if len(seen) == 1 else "  DIFFERS"))
+        out.append(row(c, by_variant, statistics.median) + ("  same" if len(seen) == 1 else "  DIFFERS"))
         # the spread between processes of one variant: how far apart its medians would have to be to mean anything
-        spreads = [f"{max(times[(c, v)]) - min(times[(c, v)]):12.2f}" if (c, v) in times else " " * 11 + "-"
-                   for v in variants]
-        out.append("  spread".ljust(width) + "".join(spreads))
+        out.append(row("  spread", by_variant, lambda ts: max(ts) - min(ts)))
         out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
-        for name, by_variant in sorted(kernels.get(c, {}).items(), key=lambda kv: -max(map(max, kv[1].values()))):
-            cells = [f"{statistics.median(by_variant[v]):12.2f}" if v in by_variant else " " * 11 + "-"
-                     for v in variants]
-            out.append(f"  {name}".ljust(width) + "".join(cells))
+        for name, us in sorted(kernels.get(c, {}).items(), key=lambda kv: -max(map(max, kv[1].values()))):
+            out.append(row(f"  {name}", us, statistics.median))
     return "\n".join(out)
 
 
