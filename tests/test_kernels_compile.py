@@ -232,10 +232,8 @@ WGMMA_GEMM = GemmConfig(bits=4.0, codebook="mcg", token_groups=8, **WGMMA_LAYOUT
 
 @pytest.mark.parametrize("config,arch", [(InputRotationConfig("float16", "stages"), "sm_90a"),
                                          (OutputRotationConfig("float16"), "sm_90a"), (WGMMA_GEMM, "sm_90a"),
-                                         (GemmConfig(bits=4.0, codebook="mcg", token_groups=2, x_order="fragments"),
-                                          "sm_120a"),
                                          (InputRotationConfig("float16", "fragments"), "sm_80")],
-                         ids=["input-rotation", "output-rotation", "wgmma-gemm", "sync-gemm", "input-rotation-sm80"])
+                         ids=["input-rotation", "output-rotation", "wgmma-gemm", "input-rotation-sm80"])
 def test_early_next_lets_the_next_kernel_launch_right_after_the_wait(config, arch):
     """``early_next``: one griddepcontrol.launch_dependents, right after the kernel's wait and before any global
     access; none without it (the next kernel then launches as this one's CTAs exit) and none on SM80."""

@@ -134,18 +134,6 @@ def test_early_next_only_around_warpgroup_mma_gemms(monkeypatch):
                 assert got == [on and k in wanted for k in kernels], (policy, tokens, arch)
 
 
-def test_unfused_sync_gemm_lets_its_output_rotation_launch_early_when_asked(monkeypatch):
-    """linear.UNFUSED_SYNC_GEMM_EARLY_NEXT: an mma.sync GEMM whose output rotation is its own launch starts that
-    launch early; one with the rotation fused (followed by the next linear's kernels) never, nor the rotations."""
-    for on in (False, True):
-        monkeypatch.setattr(linear_ops, "UNFUSED_SYNC_GEMM_EARLY_NEXT", on)
-        for tokens, arch in ((16, "sm_90a"), (2, "sm_90a"), (64, "sm_120a")):
-            assert linear_ops.early_next("gemm", tokens, arch) == on
-            assert not linear_ops.early_next("gemm", tokens, arch, fused_output=True)
-            assert not any(linear_ops.early_next(k, tokens, arch) for k in ("input", "output"))
-        assert not linear_ops.early_next("gemm", 64, "sm_90a")  # warpgroup MMA: EARLY_NEXT ("input") decides
-
-
 def test_one_token_gemm_rotating_its_input_takes_three_stages_on_the_h200():
     """H200: the M = 1 GEMM that rotates its own input pipelines 3 stages (targets.ROTATED_INPUT_STAGES, measured
     faster), with the same splits and 8 CTAs an SM; SM120 keeps 2 stages, and so do other token counts."""

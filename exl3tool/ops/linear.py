@@ -107,25 +107,16 @@ class DeviceLinear:
 # when it ends) or "all" (the GEMM and the output rotation too). H200, K=4 mcg, graph, y bit-identical, us (none ->
 # input -> all): 4096x14336 M=64 35.6 -> 35.3 -> 35.3, M=256 60.1 -> 59.6 -> 59.4; 14336x4096 M=40 33.7 -> 33.1 ->
 # 33.4, M=64 34.8 -> 33.9 -> 34.3. Not before the one-wave mma.sync GEMMs of M <= 32: with every kernel starting the
-# next early, M=1 20.6 -> 24.6 and M=16 26.9 -> 31.8 (docs/perf.md, eighteenth session).
+# next early, M=1 20.6 -> 24.6 and M=16 26.9 -> 31.8 (docs/perf.md, eighteenth session); with only the M = 9..32
+# GEMM letting its output rotation launch early, mixed: 4096x14336 M=16 23.54 -> 23.31, 14336x4096 M=16 24.06 ->
+# 24.36, 4096x4096 M=16 11.31 -> 11.59 (twenty-seventh session, docs/tried/unfused-sync-gemm-early-next.patch).
 EARLY_NEXT = "input"
 
 
-# The mma.sync GEMM of a linear whose output rotation is a launch of its own (gemm-unfused: on the H200 M = 9..32,
-# and M = 2..8 wider than FUSED_MAX_OUT) lets that launch start right after the GEMM's wait, so the rotation's CTAs
-# wait resident in the slots the GEMM's one wave leaves free and start as it ends (H200 M=16: the three kernels take
-# 23.4 us of GPU time a call, 26.5 with the gaps between them). Not measured yet: off (docs/perf.md, twenty-sixth
-# session, Next).
-UNFUSED_SYNC_GEMM_EARLY_NEXT = False
-
-
-def early_next(kernel: str, tokens: int, arch: str, fused_output: bool = False) -> bool:
+def early_next(kernel: str, tokens: int, arch: str) -> bool:
     """Does the linear's ``kernel`` ("input", "gemm" or "output") let the next one launch right after its own wait
-    (EARLY_NEXT; UNFUSED_SYNC_GEMM_EARLY_NEXT for an mma.sync GEMM followed by its output rotation), at ``tokens`` on
-    ``arch``?"""
-    if not uses_wgmma(tokens, arch):
-        return UNFUSED_SYNC_GEMM_EARLY_NEXT and kernel == "gemm" and not fused_output
-    return EARLY_NEXT == "all" or (EARLY_NEXT == "input" and kernel == "input")
+    (EARLY_NEXT), at ``tokens`` on ``arch``?"""
+    return uses_wgmma(tokens, arch) and (EARLY_NEXT == "all" or (EARLY_NEXT == "input" and kernel == "input"))
 
 
 @dataclass(frozen=True)
@@ -251,7 +242,7 @@ class LinearPlan:
             rotated_input = _DTYPE_NAMES[in_dtype] if path == "gemm" and tokens == 1 else None
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
                                        has_bias=lin.bias is not None and output is not None, input=rotated_input,
-                                       early_next=early_next("gemm", tokens, arch, output is not None))
+                                       early_next=early_next("gemm", tokens, arch))
             x_order = self.gemm_plan.config.x_order
             rows = ((x_rows(tokens, self.gemm_plan.config), x_row_halves(info.in_padded, x_order)), torch.float16)
             xr, partials = scratch.views(device, rows,

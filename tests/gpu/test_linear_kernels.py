@@ -437,49 +437,6 @@ def test_plans_are_made_once_per_shape_dtype_and_path(seed):
     assert ops.plan_for(lin, x1, path="dequant").path == "dequant" and plan.path == ops.choose_path(1, lin)
 
 
-@pytest.mark.parametrize("tokens", [2, 16, 32])
-def test_unfused_sync_gemm_early_output_rotation_changes_no_bit(seed, tokens, monkeypatch):
-    """linear.UNFUSED_SYNC_GEMM_EARLY_NEXT: an mma.sync GEMM lets its output rotation launch right after its own
-    wait. Four linears in a chain (each y the next x; three of one shape, sharing partials; the last wider than
-    FUSED_MAX_OUT, so unfused at M=2 too), queued eagerly and graph-replayed into NaN-poisoned outputs: the bits of
-    the chain without it, each linear synchronized."""
-    lins = [device_linear(seed + i, 1024, 1024, 4.0, "mcg")[1] for i in range(3)]
-    lins.append(device_linear(seed + 3, 1024, 8192, 2.0, "mul1")[1])
-    x = torch.randn(tokens, 1024, dtype=torch.float16, device="cuda")
-
-    def chain(outs, sync=False):
-        y = x
-        for lin, out in zip(lins, outs):
-            y = ops.linear_forward(y, lin, out=out)
-            if sync:
-                torch.cuda.synchronize()
-
-    def fresh(on):
-        monkeypatch.setattr(ops, "UNFUSED_SYNC_GEMM_EARLY_NEXT", on)
-        for lin in lins:
-            lin.plans.clear()
-        return [poisoned((tokens, lin.info.out_features), torch.float16) for lin in lins]
-
-    alone = fresh(False)
-    chain(alone, sync=True)
-    want = [o.clone() for o in alone]
-    outs = fresh(True)
-    chain(outs)
-    plans = [ops.plan_for(lin, x if i == 0 else want[i - 1]) for i, lin in enumerate(lins)]
-    assert [p.gemm_plan.config.early_next for p in plans] == [p.path == "gemm-unfused" for p in plans]
-    assert plans[-1].path == "gemm-unfused" and plans[-1].gemm_plan.config.mma == "sync"
-    assert all(torch.equal(o, w) for o, w in zip(outs, want)), f"seed={seed}"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(outs)
-    for _ in range(3):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        assert all(torch.equal(o, w) for o, w in zip(outs, want)), f"seed={seed}"
-    assert not any(w.isnan().any() for w in want)
-
-
 @pytest.mark.parametrize("policy", ["input", "all"])
 @pytest.mark.parametrize("tokens", [40, 64, 200])
 def test_early_starts_change_no_bit_in_a_chain(seed, tokens, policy, monkeypatch):
