@@ -8,10 +8,9 @@
 Small M streams the trellis through the decode GEMM (split over K so every SM has work), with the output
 rotation in its own kernel or fused into the GEMM's epilogue (and at M = 1 the input rotation in its prologue);
 from ``DEQUANT_MIN_TOKENS`` rows on, decoding W_hat once and letting torch's tensor-core GEMM multiply is faster,
-and from ``FOLD_MIN_TOKENS`` on, decoding it with
-both rotations folded in (no rotation passes over the activations). Where the GPU has warpgroup MMAs (sm_90a), the
-decode GEMM multiplies with them from ``WGMMA_MIN_TOKENS`` to ``WGMMA_MAX_TOKENS`` rows and stays the path there.
-The thresholds are H200 measurements.
+and from ``FOLD_MIN_TOKENS`` on, decoding it with both rotations folded in (no rotation passes over the
+activations). Where the GPU has warpgroup MMAs (sm_90a), the decode GEMM multiplies with them from
+``WGMMA_MIN_TOKENS`` to ``WGMMA_MAX_TOKENS`` rows and stays the path there. The thresholds are H200 measurements.
 
 Plan once, launch many: the first call with a given (M, dtypes, path) makes a ``LinearPlan`` (compiled kernels,
 split-K, scratch views); every later call only launches. Warm up before capturing a CUDA graph.

@@ -48,7 +48,8 @@ WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
 # tokens; 256 keeps 6). H200, K=4 mcg unless said, whole linear, graph, two processes each, y bit-identical, us (6 ->
 # 8): 4096x14336 M=40 33.62 -> 33.25, M=64 34.58 -> 34.21 / 34.23 (two runs), M=128 46.34 -> 44.84; 14336x4096 M=64
 # 31.59 -> 31.18, M=128 42.99 -> 42.71; 4096x4096 M=64 13.64 -> 13.47; 14336x4096 K=2 mul1 M=48 29.15 -> 28.77.
-# 8 k-tiles a stage in 4 stages lost (M=64 34.58 -> 37.34). The MoE's blocks keep WGMMA_LAYOUT (not measured).
+# 8 k-tiles a stage in 4 stages lost (M=64 34.58 -> 37.34). The MoE's blocks keep WGMMA_LAYOUT: 8 stages there
+# measured within the spread (MoE layer M=512 / 1024 / 4096 324.58 / 491.69 / 1129.44 -> 324.91 / 490.96 / 1121.65).
 DENSE_WGMMA_STAGES = 8
 # X's column order for that GEMM (GemmConfig.x_order) from this many tokens per CTA on: "stages" (written in the
 # stages' swizzled layout by the rotations; thread 0 brings a stage with one bulk copy per 64 columns), below it
