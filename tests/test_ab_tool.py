@@ -60,6 +60,7 @@ def test_report_takes_the_median_of_each_variants_processes_and_compares_y():
     assert spread.split() == ["spread", "0.50", "4.00"]  # max - min over each variant's processes
     moe = next(r for r in rows if r.startswith("moe:1"))
     assert moe.split()[1:] == ["24.70", "24.60", "DIFFERS"]
+    assert rows[rows.index(moe) + 1].split() == ["base:", "bbbb", "|", "new:", "cccc"]  # who gave which y
     assert any("base: gemm-unfused splits=4 | new: gemm splits=4" in r for r in rows)
 
 

@@ -127,6 +127,9 @@ def summarize(lines: list[str]) -> str:
         by_variant = {v: times[(c, v)] for v in variants if (c, v) in times}
         seen = set().union(*(digests.get((c, v), set()) for v in variants))
         out.append(row(c, by_variant, statistics.median) + ("  same" if len(seen) == 1 else "  DIFFERS"))
+        if len(seen) > 1:  # which variant (or which of its processes) gave which y
+            out.append(" " * width + " | ".join(f"{v}: {','.join(sorted(digests[(c, v)]))}" for v in variants
+                                                 if (c, v) in digests))
         # the spread between processes of one variant: how far apart its medians would have to be to mean anything
         out.append(row("  spread", by_variant, lambda ts: max(ts) - min(ts)))
         out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
