@@ -52,7 +52,11 @@ from .trellis import (
 )
 
 # Chunks per main-loop iteration: unrolling twice halves the per-chunk barrier/address/branch overhead
-# (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more).
+# (sm_120a K=4 mcg: 62 -> 29 instructions per 8 tiles; 4x gains nothing more). A warpgroup-MMA loop needs the two:
+# its MMAs read their A fragments from registers while they run, and a stage waits only for the MMAs of the stage
+# before the last, so consecutive stages must decode into different registers, which ptxas gives the two unrolled
+# copies but not one rolled stage (it reuses them: sm_90a M=64 7.77 -> 7.06 SASS a weight, and y changed from run
+# to run on the H200; tests/test_sass.py checks the registers alternate).
 CHUNK_UNROLL = 2
 WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 
@@ -130,6 +134,15 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
                        Int64(4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words),
                        cutlass.select_(valid, Int32(16), Int32(0))))
     return copies
+
+
+def x_needs_proxy_fence(cfg) -> bool:
+    """Must a warpgroup-MMA stage fence the async proxy before its MMAs read X? Only where cp.async (the generic
+    proxy) wrote X: a bulk copy ("stages" order) writes through the async proxy itself, and the weights are read by
+    ordinary shared loads. The fence is a MEMBAR.ALL.CTA a stage. H200, graph, y bit-identical, two processes each,
+    us (fence -> none): MoE E=128 top-8 2048x768 K=4 mcg M=4096 1056.51 -> 1054.47, M=8192 2079.45 -> 2070.65; dense
+    K=4 mcg M=256 4096x14336 59.51 -> 57.91, 14336x4096 61.00 -> 60.65 (docs/perf.md, twenty-eighth session)."""
+    return cfg.x_order != "stages"
 
 
 def weight_copy_count(cfg, threads) -> int:
@@ -229,16 +242,16 @@ def decode_mma_loop(
     n_chunks: Int32,
     prologue: cutlass.Constexpr = None,
     x_rows: Int32 = 0,
-    tail_run=None,
+    mma_groups: cutlass.Constexpr = None,
     wait: cutlass.Constexpr = None,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
     which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``.
     In "stages" order ``x_rows`` is X's row count (a whole number of route blocks: no bound on ``tokens``).
-    ``tail_run`` (Int32, warpgroup MMAs): zero skips the MMAs of the token groups past the first 256 tokens, whose
-    accumulators then stay as they were. ``wait`` (mma.sync with X staged): the PDL wait, which the loop calls
-    after it has issued the weight copies of the stages it loads ahead and before their X copies (the caller
+    ``mma_groups`` (warpgroup MMAs): only the first ``mma_groups`` token groups are multiplied (whole MMAs), the
+    accumulators of the rest stay as they were. ``wait`` (mma.sync with X staged): the PDL wait, which the loop
+    calls after it has issued the weight copies of the stages it loads ahead and before their X copies (the caller
     vouches that the weights and ``gW_addr`` need no output of the kernel before)."""
     threads = 32 * cfg.warps
     tid, _, _ = cute.arch.thread_idx()
@@ -252,7 +265,7 @@ def decode_mma_loop(
                           tid, x_rows, sDec if bulk else None)
     wgmma = cfg.mma == "wgmma"
     if cutlass.const_expr(wgmma and cfg.mbarriers):
-        mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid, tail_run)
+        mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid, mma_groups)
         return
     if cutlass.const_expr(bulk):  # the stages' full mbarriers: thread 0's arrival and its bulk copies' bytes
         if tid == 0:
@@ -289,7 +302,7 @@ def decode_mma_loop(
         cute.arch.cp_async_wait_group(ahead_stages - 1)
         if cutlass.const_expr(bulk):
             cute.arch.mbarrier_wait(sDec + chunk % cfg.stages, (chunk // cfg.stages) % 2)  # the stage's X landed
-        if cutlass.const_expr(wgmma):
+        if cutlass.const_expr(wgmma and x_needs_proxy_fence(cfg)):
             ptx.fence_proxy_async_shared()  # this thread's cp.async data, visible to the tensor cores' reads
         cute.arch.sync_threads()
         ahead = chunk + ahead_stages
@@ -304,7 +317,7 @@ def decode_mma_loop(
             x_stage = chunk * (cfg.x_k_tile_words * cfg.k_tiles_per_stage)  # the resident row's words of this chunk
         if cutlass.const_expr(wgmma):
             warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * x_stage, w_stage, word_idx, shift, consts,
-                                 tail_run)
+                                 mma_groups)
         elif cutlass.const_expr(cfg.warp_cols > 1):
             shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
                               consts, warp, lane)
@@ -317,7 +330,7 @@ def decode_mma_loop(
 @cute.jit
 def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor, sW: cute.Tensor,
                         sX_addr: Int32, bars, copies, n_chunks: Int32, warp: Int32, lane: Int32, tid: Int32,
-                        tail_run=None):
+                        mma_groups: cutlass.Constexpr = None):
     """The warpgroup-MMA main loop with mbarrier hand-offs (``GemmConfig.mbarriers``). Stage s has a ``full``
     barrier (every thread's copies of its chunk arrive on it as they land: ``cp.async.mbarrier.arrive.noinc``) and
     an ``empty`` one (each warp arrives once its MMAs of the stage's chunk are done). Chunk c waits for its full
@@ -344,9 +357,10 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
     for chunk in cutlass.range(n_chunks, unroll=chunk_unroll(cfg)):
         stage = chunk % stages
         cute.arch.mbarrier_wait(full + stage, (chunk // stages) % 2)
-        ptx.fence_proxy_async_shared()  # the copies' data, visible to the tensor cores' reads
+        if cutlass.const_expr(x_needs_proxy_fence(cfg)):
+            ptx.fence_proxy_async_shared()  # the copies' data, visible to the tensor cores' reads
         warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * stage * cfg.x_stage_words,
-                             stage * cfg.w_stage_words + w_lane, word_idx, shift, consts, tail_run)
+                             stage * cfg.w_stage_words + w_lane, word_idx, shift, consts, mma_groups)
         ptx.wgmma_wait(1)  # this warpgroup's MMAs of chunk - 1 are done
         if chunk > 0:
             if lane == 0:
@@ -362,7 +376,7 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
     ptx.wgmma_wait(0)  # acc is final
 
 
-def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts, tail_run=None):
+def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts, mma_groups=None):
     """One stage with warpgroup MMAs: every k-tile of this warp's tile column decoded into A registers first (the
     previous stage's MMAs still run meanwhile), then one fence and one asynchronous ``m64 x tokens x k16`` MMA per
     k-tile, committed as one group. The caller waits for the group before the stage's buffer is refilled and
@@ -375,13 +389,13 @@ def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, s
     high = Int64(ptx.wgmma_descriptor_high())
     desc0 = high | Int64((sX_stage_addr & 0x3FFFF) >> 4)
     for kk in range(cfg.k_tiles_per_stage):
-        for g0, groups in wgmma_token_chunks(cfg.token_groups):
+        for g0, groups in wgmma_token_chunks(cfg.token_groups if mma_groups is None else mma_groups):
             # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it; the
             # chunk's first token row 8*g0 is 128 bytes a row further. The 14-bit start address field cannot
             # carry: the stage lies inside the 228 KB of shared memory.
             desc = desc0 + (((kk // 4) * (cfg.tokens_per_cta * 128) + 8 * g0 * 128 + (kk % 4) * 32) >> 4)
             regs = range(4 * g0, 4 * (g0 + groups))
-            d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in regs], "float16", tail_run if g0 else None)
+            d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in regs], "float16")
             for i, v in zip(regs, d):
                 acc[i] = v
     ptx.wgmma_commit()

@@ -27,8 +27,8 @@ weight stages load (``rotate_expert_input``, the dense GEMM's M = 1 prologue), s
 first CTA of each block writes that route's ``route_row`` / ``row_route`` in its place.
 
 With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k-tile) a block whose row 256 is
-padding (``row_route`` -1; a block's routes are its first rows) skips its N = 64 MMAs (a predicate, uniform in
-the warpgroup) and the partials of rows 256 .., which nothing reads.
+padding (``row_route`` -1; a block's routes are its first rows) runs a second copy of the main loop without the
+N = 64 MMAs, and skips the partials of rows 256 .., which nothing reads.
 
 With ``weights_before_wait`` (down, behind a gate/up GEMM with ``next_after_loop``: each of its CTAs lets this
 launch go once its partials are written) a CTA reads its block's expert and issues its first weight stage before
@@ -267,12 +267,21 @@ class MoEGemm(DecodeGemmKernel):
             else:
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
-                tail_run = None
-                if cutlass.const_expr(cfg.skip_padding_tail):
-                    tail_run = cutlass.select_(mRowRoute[tok0 + 8 * WGMMA_MAX_GROUPS] >= 0, Int32(1), Int32(0))
                 wait = ptx.wait_for_prior_kernels if cfg.weights_before_wait else None
-                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
-                                col_tile0, tok0, rows, k_begin, n_chunks, None, rows, tail_run, wait)
+                loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
+                             tok0, rows, k_begin, n_chunks, None, rows)
+                tail_run = Int32(1)
+                if cutlass.const_expr(cfg.skip_padding_tail):
+                    # A main loop of each kind, chosen per block: in one loop with the tail MMAs behind a predicate
+                    # ptxas fenced every MMA apart (C7519: a warpgroup.arrive each). H200, E=128 top-8 2048x768 K=4
+                    # mcg, layer graph, y bit-identical, us: M=4096 1095.28 -> 1056.51, M=8192 2155.10 -> 2079.45.
+                    tail_run = cutlass.select_(mRowRoute[tok0 + 8 * WGMMA_MAX_GROUPS] >= 0, Int32(1), Int32(0))
+                    if tail_run != 0:
+                        decode_mma_loop(*loop_args, None, wait)
+                    else:
+                        decode_mma_loop(*loop_args, WGMMA_MAX_GROUPS, wait)
+                else:
+                    decode_mma_loop(*loop_args, None, wait)
                 # P has every row of the block; a skipped tail's rows are left unwritten
                 groups = acc_groups(main, warp)
                 skippable = [cfg.skip_padding_tail and group >= WGMMA_MAX_GROUPS for _, _, group in groups]

@@ -539,24 +539,20 @@ def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def wgmma_m64k16(a, desc, acc, dtype: str, run=None, *, loc=None, ip=None):
+def wgmma_m64k16(a, desc, acc, dtype: str, *, loc=None, ip=None):
     """``acc += A @ B`` for the warpgroup: A fp16/bf16 in registers (4 words a lane), B from the shared-memory
     descriptor ``desc`` (Int64), ``acc`` the lane's N/2 fp32 accumulators (N = 2*len(acc) tokens), returned
-    updated. Asynchronous: commit, then wait before reading the result. Accumulator j of a lane holds D row
-    ``16*warp + lane//4 + 8*(j%4 >= 2)``, column ``8*(j//4) + 2*(lane%4) + j%2``, as ``mma.m16n8k16`` groups.
-    ``run`` (Int32, the same in the whole warpgroup): issued only where non-zero, else ``acc`` is returned as is."""
+    updated. Asynchronous: commit, then wait before reading the result (and before writing the registers of A).
+    Accumulator j of a lane holds D row ``16*warp + lane//4 + 8*(j%4 >= 2)``, column ``8*(j//4) + 2*(lane%4) + j%2``,
+    as ``mma.m16n8k16`` groups. No predicate: ptxas fences every MMA of a group that holds a predicated one."""
     kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     n = len(acc)
     outs = ",".join(f"${i}" for i in range(n))
-    guard = "" if run is None else f"setp.ne.b32 q, ${n + 6}, 0; @q "
-    text = (f"{{.reg .pred p, q; setp.ne.b32 p, ${n + 5}, 0; {guard}"
+    text = (f"{{.reg .pred p; setp.ne.b32 p, ${n + 5}, 0; "
             f"wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.{kind}.{kind} "
             f"{{{outs}}}, {{${n},${n + 1},${n + 2},${n + 3}}}, ${n + 4}, p, 1, 1, 0;}}")
-    constraints = ",".join(["=f"] * n + ["r"] * 4 + ["l", "r"] + ["r"] * (run is not None)
-                           + [str(i) for i in range(n)])
+    constraints = ",".join(["=f"] * n + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(n)])
     values = [Int32(v).ir_value(loc=loc, ip=ip) for v in a] + [Int64(desc).ir_value(loc=loc, ip=ip),
                                                              Int32(1).ir_value(loc=loc, ip=ip)]
-    if run is not None:
-        values.append(Int32(run).ir_value(loc=loc, ip=ip))
     values += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
     return _asm_4(Float32, values, text, constraints, side_effects=True, count=n, loc=loc, ip=ip)

@@ -175,7 +175,8 @@ def test_warpgroup_mma_gemm_compiles_for_sm90a(bits, codebook, token_groups, war
 def test_warpgroup_mma_gemm_with_x_in_stages_order(token_groups, k_tiles_per_stage, mbarriers):
     """X in the stages' layout (trellis.x_stages_index): one thread announces a stage's X bytes on its full mbarrier
     and brings them with one bulk copy per 64 columns (mainloop.BulkCopy), every thread waits on that mbarrier's
-    phase, and the threads' 16-byte cp.async copy the weights only; the same warpgroup MMAs as row order."""
+    phase, and the threads' 16-byte cp.async copy the weights only; the same warpgroup MMAs as row order. Only
+    row order fences X to the async proxy (cp.async writes it; the bulk copy is the async proxy's own)."""
     layout = dict(bits=4.0, codebook="mcg", token_groups=token_groups, warps=8, mma="wgmma",
                   k_tiles_per_stage=k_tiles_per_stage, stages=6, mbarriers=mbarriers)
     stages, rows = fitting_config(**layout, x_order="stages"), fitting_config(**layout, x_order="rows")
@@ -189,6 +190,7 @@ def test_warpgroup_mma_gemm_with_x_in_stages_order(token_groups, k_tiles_per_sta
     for bar, announced, *copies in issues:
         assert int(announced) == pieces * size and copies == [str(size), bar] * pieces
     assert "cp.async.bulk" not in plain and "mbarrier.try_wait.parity.shared.b64" in ptx
+    assert "fence.proxy.async.shared::cta" in plain and "fence.proxy.async.shared::cta" not in ptx
     # the threads' 16-byte copies: a stage's weights (one piece each here) against weights and X's 128-byte rows
     assert 0 < ptx.count("cp.async.cg.shared.global") < plain.count("cp.async.cg.shared.global")
     assert ptx.count(WGMMA.format(8 * token_groups)) == plain.count(WGMMA.format(8 * token_groups))

@@ -110,14 +110,14 @@ def test_warpgroup_mma_registers_stay_within_the_planners_budget(tg, bits, codeb
     assert (cfg.mma, cfg.token_groups) == ("wgmma", tg)
     k = sass.gemm_report(cfg, "sm_90a")
     assert k.registers <= WGMMA_REGISTERS[tg] and k.frame_bytes == 0, (k.registers, k.frame_bytes)
-    assert k.main_loop.by_opcode["HGMMA"] == 2 * cfg.k_tiles_per_stage  # the loop runs two stages an iteration
+    assert k.main_loop.by_opcode["HGMMA"] == CHUNK_UNROLL * cfg.k_tiles_per_stage  # two stages an iteration
 
 
 @pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (6.0, "3inst"), (8.0, "mcg")])
 def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook):
     """sm_90a's 320-row MoE route blocks (gate/up and down GEMMs): 160 fp32 accumulators a lane beside the decode,
     within ``WGMMA_REGISTERS[40]``, no spills, two HGMMAs (N = 256 and 64) per decoded k-tile. Their stages pass
-    through mbarriers (moe.MBARRIER_MIN_ROWS): the one CTA barrier left is the mbarriers' initialisation."""
+    through mbarriers (moe.MBARRIER_MIN_ROWS): the only CTA barriers left initialise them."""
     from exl3tool.ops import moe
     from exl3tool.ops.targets import WGMMA_REGISTERS
 
@@ -126,13 +126,52 @@ def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook)
         k = sass.gemm_report(cfg, "sm_90a")
         assert k.registers <= WGMMA_REGISTERS[40] and k.frame_bytes == 0 and k.spill_instructions == 0, (
             planes, k.registers, k.frame_bytes)
-        # (ptxas adds an empty HGMMA, no descriptor and no registers, where the predicated N = 64 ones may be
-        # skipped: moe.SKIP_PADDING_TAIL)
-        hgmma = [i for i in k.instructions if i.root == "HGMMA" and "gdesc[URZ]" not in i.operands]
-        assert len(hgmma) % (2 * cfg.k_tiles_per_stage) == 0 and len(hgmma) > 0, len(hgmma)
+        # The main loop (the one of both MMAs; moe.SKIP_PADDING_TAIL adds one of the N = 256 MMAs alone) issues a
+        # stage's MMAs behind one warpgroup.arrive, as one group: none is fenced apart (ptxas' C7519).
+        loop = k.main_loop.instructions
+        hgmma = [i for i in loop if i.root == "HGMMA"]
+        stages = len(hgmma) // (2 * cfg.k_tiles_per_stage)
+        assert stages >= 1 and len(hgmma) == 2 * cfg.k_tiles_per_stage * stages, len(hgmma)
         assert sum("x256x16" in i.operands for i in hgmma) == sum("x64x16" in i.operands for i in hgmma)
-        assert cfg.mbarriers and [i.root for i in k.instructions].count("BAR") == 1
+        assert [i.opcode for i in loop].count("WARPGROUP.ARRIVE") == stages
+        assert sum("gsb0" in i.operands for i in hgmma) == stages
+        assert not any("gdesc[URZ]" in i.operands for i in k.instructions)  # no empty HGMMA of a skipped one
+        # the one CTA barrier of each main loop: its mbarriers' initialisation
+        assert cfg.mbarriers and [i.root for i in k.instructions].count("BAR") == 1 + cfg.skip_padding_tail
         assert any(i.root == "SYNCS" for i in k.instructions)  # the mbarrier arrivals and waits
+
+
+def stage_a_registers(loop) -> list[set[int]]:
+    """The A-fragment registers (4 from each HGMMA's second operand) of each stage's MMA group in a main loop, in
+    order: a group ends at the HGMMA that sets the scoreboard (gsb0)."""
+    groups, current = [], set()
+    for i in loop.instructions:
+        if i.root == "HGMMA":
+            first = int(i.operands.split(",")[1].strip().lstrip("R"))
+            current |= set(range(first, first + 4))
+            if "gsb0" in i.operands:
+                groups.append(current)
+                current = set()
+    return groups
+
+
+@pytest.mark.parametrize("kind", ["dense 64", "dense 256", "moe 64", "moe 320"])
+def test_warpgroup_mma_stages_read_their_a_fragments_from_alternating_registers(kind):
+    """A warpgroup MMA reads its A fragments from registers while it runs, and a stage waits only for the MMAs of
+    the stage before the last (``wgmma_wait(1)``): the next stage's decode must not write the registers the
+    running MMAs read. ptxas does not see that hazard, so the loop is unrolled over two stages whose fragments it
+    keeps in disjoint registers (a loop of one stage reused them: y changed). Every consecutive pair of stages in
+    the loop, the last and the first included, reads disjoint registers."""
+    from exl3tool.ops import moe
+
+    what, rows = kind.split()
+    cfg = (planned_gemm_config(4.0, "mcg", int(rows), "sm_90a") if what == "dense"
+           else moe.gemm_config(4.0, "mcg", 2, int(rows), wgmma=True))
+    assert cfg.mma == "wgmma"
+    groups = stage_a_registers(sass.gemm_report(cfg, "sm_90a").main_loop)
+    assert len(groups) >= 2, len(groups)
+    for a, b in zip(groups, groups[1:] + groups[:1]):
+        assert not a & b, sorted(a & b)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])

@@ -119,7 +119,9 @@ MBARRIER_MIN_ROWS = 320
 # Route blocks over 256 rows (320, warpgroup MMAs of N = 256 + 64) skip the N = 64 MMAs and their partials'
 # stores where row 256 is padding (MoEGemmConfig.skip_padding_tail): at M=4096, E=128 top-8, about half the
 # experts get at most 256 routes. H200, 2048x768 K=4 mcg, layer graph over 4 L2-cold copies, two rounds, y
-# bit-identical: M=4096 1130.1 / 1142.7 -> 1113.8 / 1128.7 us (GEMMs 687.2 -> 671.5).
+# bit-identical: M=4096 1130.1 / 1142.7 -> 1113.8 / 1128.7 us (GEMMs 687.2 -> 671.5), with the N = 64 MMAs behind a
+# predicate; as a second main loop without them (s28, kernels.moe_gemm) M=4096 1095.28 -> 1056.51, M=8192 2155.10 ->
+# 2079.45 against that predicate (no-skip blocks not measured again).
 SKIP_PADDING_TAIL = True
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is short: at most FUSED_INTERMEDIATE_WAVES waves of CTAS_PER_SM a SM, counting the blocks of
