@@ -270,7 +270,6 @@ class MoEGemm(DecodeGemmKernel):
                 wait = ptx.wait_for_prior_kernels if cfg.weights_before_wait else None
                 loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
                              tok0, rows, k_begin, n_chunks, None, rows)
-                tail_run = Int32(1)
                 if cutlass.const_expr(cfg.skip_padding_tail):
                     # A main loop of each kind, chosen per block: in one loop with the tail MMAs behind a predicate
                     # ptxas fenced every MMA apart (C7519: a warpgroup.arrive each). H200, E=128 top-8 2048x768 K=4
