@@ -103,6 +103,9 @@ class GemmConfig:
     # barrier per stage, so a warp waits only for the data it reads and for the stage it refills, which every warp
     # released a chunk before.
     mbarriers: bool = False
+    # wgmma only: one stage a main-loop iteration, not two (``mainloop.chunk_unroll``). Each stage's MMAs read
+    # the same A registers, so a stage waits for all of them (``wgmma_wait(0)``) before its decode writes them.
+    rolled: bool = False
     # PDL: let the next kernel in the stream launch right after this one's wait (``ptx.wait_for_prior_kernels``)
     early_next: bool = False
 
@@ -139,8 +142,8 @@ class GemmConfig:
                                        or self.resident_k_tiles <= 0):
             raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
                              "positive multiple of 8")
-        if self.mbarriers and self.mma != "wgmma":
-            raise ValueError("mbarriers is a pipeline of the warpgroup-MMA main loop")
+        if (self.mbarriers or self.rolled) and self.mma != "wgmma":
+            raise ValueError("mbarriers and rolled are pipelines of the warpgroup-MMA main loop")
         if self.whole_k and (self.mma != "wgmma" or self.output is None):
             raise ValueError("whole_k is the warpgroup-MMA GEMM's epilogue with a fused output rotation")
         if self.spread_sum and (self.input is None or self.output is None):

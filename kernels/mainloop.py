@@ -56,7 +56,8 @@ from .trellis import (
 # its MMAs read their A fragments from registers while they run, and a stage waits only for the MMAs of the stage
 # before the last, so consecutive stages must decode into different registers, which ptxas gives the two unrolled
 # copies but not one rolled stage (it reuses them: sm_90a M=64 7.77 -> 7.06 SASS a weight, and y changed from run
-# to run on the H200; tests/test_sass.py checks the registers alternate).
+# to run on the H200; tests/test_sass.py checks the registers alternate). A rolled loop (GemmConfig.rolled) must wait
+# for all of its MMAs before each stage's decode.
 CHUNK_UNROLL = 2
 WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 
@@ -64,6 +65,8 @@ WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 def chunk_unroll(cfg) -> int:
     """Chunks an iteration of the main loop: an mma.sync loop of 3 or 4 stages is unrolled over its stages, so that
     each chunk's stage (addresses) is static (sm_90a K=4 mcg M=1, 3 stages: 4.91 -> 4.35 SASS a weight)."""
+    if cfg.rolled:
+        return 1
     return cfg.stages if cfg.mma == "sync" and cfg.stages in (3, 4) else CHUNK_UNROLL
 
 
@@ -298,7 +301,9 @@ def decode_mma_loop(
 
     for chunk in cutlass.range(n_chunks, unroll=chunk_unroll(cfg)):
         if cutlass.const_expr(wgmma):
-            ptx.wgmma_wait(1)  # the MMAs of chunk - 2 are done: its stage may be refilled after the barrier
+            # the MMAs of chunk - 2 are done: its stage may be refilled after the barrier (rolled: of chunk - 1 too,
+            # whose A registers this chunk's decode writes)
+            ptx.wgmma_wait(0 if cfg.rolled else 1)
         cute.arch.cp_async_wait_group(ahead_stages - 1)
         if cutlass.const_expr(bulk):
             cute.arch.mbarrier_wait(sDec + chunk % cfg.stages, (chunk // cfg.stages) % 2)  # the stage's X landed
@@ -361,7 +366,7 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
             ptx.fence_proxy_async_shared()  # the copies' data, visible to the tensor cores' reads
         warpgroup_decode_mma(cfg, plan, acc, sW, sX_addr + 4 * stage * cfg.x_stage_words,
                              stage * cfg.w_stage_words + w_lane, word_idx, shift, consts, mma_groups)
-        ptx.wgmma_wait(1)  # this warpgroup's MMAs of chunk - 1 are done
+        ptx.wgmma_wait(0 if cfg.rolled else 1)  # this warpgroup's MMAs of chunk - 1 (rolled: and chunk) are done
         if chunk > 0:
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + (chunk - 1) % stages)

@@ -102,6 +102,7 @@ class MoEGemmConfig:
     # expert, or the shared expert's), so a block's row in the group is its expert minus this, with no group_row
     # lookup between the block's expert and its first weight copies.
     group_first: int = -1
+    rolled: bool = False  # wgmma: one stage a main-loop iteration (GemmConfig.rolled)
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -133,7 +134,7 @@ class MoEGemmConfig:
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
                           input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves,
                           x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma,
-                          mbarriers=self.mbarriers)
+                          mbarriers=self.mbarriers, rolled=self.rolled)
 
     @property
     def resident_order(self) -> str:

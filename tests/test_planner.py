@@ -147,15 +147,25 @@ def test_one_token_gemm_rotating_its_input_takes_three_stages_on_the_h200():
 
 def test_dense_warpgroup_gemm_takes_up_to_eight_stages():
     """The dense linear's warpgroup-MMA GEMM pipelines targets.DENSE_WGMMA_STAGES (8) where shared memory holds them
-    (33-128 tokens, still two CTAs an SM at 64), fewer at 256 tokens (6, its 36 KB stages), with the same splits as
-    at 6 stages; the MoE's route blocks keep targets.WGMMA_LAYOUT's 6."""
+    (65-128 tokens; fewer at 256 tokens, 6, its 36 KB stages), with the same splits as at 6 stages; up to 64 tokens
+    it takes targets.DENSE_WGMMA_SMALL_LAYOUT (4 stages of 8 k-tiles, rolled), two CTAs an SM, where that gives the
+    splits of the 4-k-tile layout. The MoE's 64-row route blocks take that layout too; larger ones keep
+    targets.WGMMA_LAYOUT's 6 stages of 4, unrolled."""
     for shape in ((4096, 14336), (14336, 4096)):
-        for tokens, stages in ((40, 8), (64, 8), (128, 8), (256, 6)):
+        for tokens, stages, k_tiles in ((40, 4, 8), (64, 4, 8), (65, 8, 4), (128, 8, 4), (256, 6, 4)):
             plan = plan_gemm(tokens, linear(*shape), 132, arch="sm_90a")
-            six = plan_gemm(tokens, linear(*shape), 132, arch="sm_90a", stages=6)
-            assert plan.config.mma == "wgmma" and plan.config.stages == stages, (shape, tokens)
-            assert plan.splits == six.splits and plan.config.smem_bytes <= 227 * 1024
+            six = plan_gemm(tokens, linear(*shape), 132, arch="sm_90a", stages=6, k_tiles_per_stage=4, rolled=False)
+            cfg = plan.config
+            assert cfg.mma == "wgmma" and (cfg.stages, cfg.k_tiles_per_stage) == (stages, k_tiles), (shape, tokens)
+            assert cfg.rolled == (tokens <= 64) and plan.splits == six.splits and cfg.smem_bytes <= 227 * 1024
         assert gemm_resident_ctas("sm_90a", plan_gemm(64, linear(*shape), 132, arch="sm_90a").config) == 2
+    # where 8-k-tile stages would split K more coarsely (32 splits of 8 k-tiles -> 16 of 16), the 4-k-tile layout stays
+    plan = plan_gemm(64, linear(4096, 1024), 132, arch="sm_90a")
+    assert (plan.config.rolled, plan.config.k_tiles_per_stage, plan.splits) == (False, 4, 32)
+    from exl3tool.ops import moe
+
+    assert moe.gemm_config(4.0, "mcg", 2, 64, wgmma=True).mainloop.rolled  # moe.WGMMA_BLOCK_LAYOUT
+    assert not moe.gemm_config(4.0, "mcg", 2, 320, wgmma=True).mainloop.rolled
 
 
 @pytest.mark.parametrize("arch,sms", [("sm_90a", 132), ("sm_120a", 170)])

@@ -1,5 +1,6 @@
 """exl3tool.sass on real compiled kernels (compile-only tier: no GPU, needs nvdisasm from the sass extra)."""
 
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import pytest
 
 from exl3tool import sass
 from exl3tool.kernels.gemm import CHUNK_UNROLL, GemmConfig, fitting_config
+from exl3tool.kernels.mainloop import chunk_unroll
 from exl3tool.kernels.trellis import mmas_per_tile
 from exl3tool.bench.sassreport import planned_gemm_config
 
@@ -110,7 +112,7 @@ def test_warpgroup_mma_registers_stay_within_the_planners_budget(tg, bits, codeb
     assert (cfg.mma, cfg.token_groups) == ("wgmma", tg)
     k = sass.gemm_report(cfg, "sm_90a")
     assert k.registers <= WGMMA_REGISTERS[tg] and k.frame_bytes == 0, (k.registers, k.frame_bytes)
-    assert k.main_loop.by_opcode["HGMMA"] == CHUNK_UNROLL * cfg.k_tiles_per_stage  # two stages an iteration
+    assert k.main_loop.by_opcode["HGMMA"] == chunk_unroll(cfg) * cfg.k_tiles_per_stage  # stages an iteration
 
 
 @pytest.mark.parametrize("bits,codebook", [(2.0, "mcg"), (6.0, "3inst"), (8.0, "mcg")])
@@ -155,21 +157,32 @@ def stage_a_registers(loop) -> list[set[int]]:
     return groups
 
 
-@pytest.mark.parametrize("kind", ["dense 64", "dense 256", "moe 64", "moe 320"])
-def test_warpgroup_mma_stages_read_their_a_fragments_from_alternating_registers(kind):
-    """A warpgroup MMA reads its A fragments from registers while it runs, and a stage waits only for the MMAs of
-    the stage before the last (``wgmma_wait(1)``): the next stage's decode must not write the registers the
-    running MMAs read. ptxas does not see that hazard, so the loop is unrolled over two stages whose fragments it
-    keeps in disjoint registers (a loop of one stage reused them: y changed). Every consecutive pair of stages in
-    the loop, the last and the first included, reads disjoint registers."""
+@pytest.mark.parametrize("kind", ["dense 64", "dense 128", "dense 256", "moe 64", "moe 320"])
+def test_warpgroup_mma_stages_never_write_a_fragments_that_running_mmas_read(kind):
+    """A warpgroup MMA reads its A fragments from registers while it runs, and ptxas does not see that hazard (a
+    loop of one stage that waited only for the stage before the last reused them: y changed). Unrolled by two, a
+    stage waits only for the MMAs of the stage before the last, so every consecutive pair of stages in the loop, the
+    last and the first included, reads disjoint registers; rolled (``GemmConfig.rolled``: M <= 64, 64-row MoE blocks),
+    each stage first waits for every MMA of the warpgroup."""
     from exl3tool.ops import moe
 
     what, rows = kind.split()
     cfg = (planned_gemm_config(4.0, "mcg", int(rows), "sm_90a") if what == "dense"
            else moe.gemm_config(4.0, "mcg", 2, int(rows), wgmma=True))
-    assert cfg.mma == "wgmma"
-    groups = stage_a_registers(sass.gemm_report(cfg, "sm_90a").main_loop)
-    assert len(groups) >= 2, len(groups)
+    main = cfg if what == "dense" else cfg.mainloop
+    assert main.mma == "wgmma" and main.rolled == (rows == "64")
+    loop = sass.gemm_report(cfg, "sm_90a").main_loop
+    groups = stage_a_registers(loop)
+    waits = [i.operands.split(",")[-1].strip() for i in loop.instructions if i.opcode == "WARPGROUP.DEPBAR.LE"]
+    if main.rolled:
+        assert len(groups) == 1 and waits == ["0x0"], waits
+        first_mma = next(n for n, i in enumerate(loop.instructions) if i.root == "HGMMA")
+        wait = next(n for n, i in enumerate(loop.instructions) if i.opcode == "WARPGROUP.DEPBAR.LE")
+        assert wait < first_mma and not any(
+            set(range(int(r), int(r) + 1)) & groups[0] for i in loop.instructions[:wait]
+            for r in re.findall(r"^\s*R(\d+)", i.operands))  # no A register written before the wait
+        return
+    assert len(groups) >= 2 and set(waits) == {"0x1"}, (len(groups), waits)
     for a, b in zip(groups, groups[1:] + groups[:1]):
         assert not a & b, sorted(a & b)
 

@@ -144,12 +144,24 @@ def plan_gemm(
 
     ``config`` overrides GemmConfig fields (warps, k_tiles_per_stage, stages, output, split_halves) for tuning
     runs; ``input`` (M = 1) makes the GEMM rotate x itself, its resident row sized by the split found here."""
-    info, codebook = lin.info, Codebook(lin.info.codebook).value
     arch = arch or target_arch(lin.device)
     if config.get("mma", "wgmma" if uses_wgmma(tokens, arch) else "sync") == "wgmma":
         token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8, 16, 32))
-        config = {**WGMMA_LAYOUT, "stages": targets.DENSE_WGMMA_STAGES, "split_halves": False,
-                  "x_order": targets.wgmma_x_order(8 * token_groups), **config}
+        layout = {**WGMMA_LAYOUT, "stages": targets.DENSE_WGMMA_STAGES, "split_halves": False,
+                  "x_order": targets.wgmma_x_order(8 * token_groups)}
+        plan = _plan_gemm(tokens, lin, sm_count, token_groups, arch, {**layout, **config})
+        if token_groups > targets.DENSE_WGMMA_SMALL_MAX_GROUPS:
+            return plan
+        # The small layout's 8-k-tile stages may split K more coarsely: it is measured at the same splits only.
+        small = _plan_gemm(tokens, lin, sm_count, token_groups, arch,
+                           {**layout, **targets.DENSE_WGMMA_SMALL_LAYOUT, **config})
+        return small if small.splits == plan.splits else plan
+    return _plan_gemm(tokens, lin, sm_count, token_groups, arch, config)
+
+
+def _plan_gemm(tokens: int, lin: DeviceLinear, sm_count: int, token_groups: int | None, arch: str,
+               config: dict) -> GemmPlan:
+    info, codebook = lin.info, Codebook(lin.info.codebook).value
     token_groups = token_groups or covering_groups(tokens, (1, 2, 4, 8))
     config.setdefault("split_halves", split_halves(arch, codebook, token_groups, float(info.bits)))
     if tokens <= 8 * token_groups or info.out_padded <= EIGHT_WARP_MAX_OUT:

@@ -108,6 +108,11 @@ FRAGMENT_ORDER_ROWS = (32, 64)
 # -> 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost, 254.5
 # -> 271.0 (its half-empty blocks still pay for every decoded weight).
 MOE_WGMMA_MIN_ROWS = 64
+# Warpgroup-MMA route blocks of these sizes take these fields over targets.WGMMA_LAYOUT: 64-row blocks the dense
+# GEMM's rolled 8-k-tile stages (targets.DENSE_WGMMA_SMALL_LAYOUT; sm_90a 7.91 -> 6.44 SASS a weight, 100 -> 126
+# registers, two CTAs an SM either way). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y
+# bit-identical, us: M=512 325.56 -> 309.17, M=1024 480.43 -> 462.79 (docs/perf.md, twenty-ninth session).
+WGMMA_BLOCK_LAYOUT: dict[int, dict] = {64: targets.DENSE_WGMMA_SMALL_LAYOUT}
 # Route blocks from this many rows hand their wgmma stages over through mbarriers instead of a CTA barrier per stage
 # (GemmConfig.mbarriers: no warp waits for another's decode; a stage is refilled a chunk after all released it).
 # Same MMAs in the same order: y bit-identical. H200, E=128 top-8 2048x768 K=4 mcg, both GEMMs (profiler us), two
@@ -403,7 +408,7 @@ def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
 def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False) -> dict:
     """MoEGemmConfig fields of the route block's GEMM layout beyond its defaults."""
     if wgmma:
-        return WGMMA_LAYOUT
+        return {**WGMMA_LAYOUT, **WGMMA_BLOCK_LAYOUT.get(block_rows, {})}
     return GEMM_LAYOUT.get(block_rows, dict(warps=decode_warps(codebook, block_rows // 8)))
 
 

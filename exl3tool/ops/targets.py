@@ -48,9 +48,19 @@ WGMMA_LAYOUT = dict(mma="wgmma", warps=8, k_tiles_per_stage=4, stages=6)
 # tokens; 256 keeps 6). H200, K=4 mcg unless said, whole linear, graph, two processes each, y bit-identical, us (6 ->
 # 8): 4096x14336 M=40 33.62 -> 33.25, M=64 34.58 -> 34.21 / 34.23 (two runs), M=128 46.34 -> 44.84; 14336x4096 M=64
 # 31.59 -> 31.18, M=128 42.99 -> 42.71; 4096x4096 M=64 13.64 -> 13.47; 14336x4096 K=2 mul1 M=48 29.15 -> 28.77.
-# 8 k-tiles a stage in 4 stages lost (M=64 34.58 -> 37.34). The MoE's blocks keep WGMMA_LAYOUT: 8 stages there
-# measured within the spread (MoE layer M=512 / 1024 / 4096 324.58 / 491.69 / 1129.44 -> 324.91 / 490.96 / 1121.65).
+# 8 k-tiles a stage in 4 stages, unrolled, lost (M=64 34.58 -> 37.34). The MoE's blocks keep WGMMA_LAYOUT: 8 stages
+# there measured within the spread (MoE layer M=512 / 1024 / 4096 324.58 / 491.69 / 1129.44 -> 324.91 / 490.96 /
+# 1121.65).
 DENSE_WGMMA_STAGES = 8
+# Up to this many token groups (64 tokens) the dense warpgroup-MMA GEMM takes 8 k-tiles a stage in 4 stages where
+# that splits K as the 4-k-tile layout does (plan_gemm; measured there only), one stage a main-loop iteration
+# (GemmConfig.rolled: sm_90a K=4 mcg 6.50 SASS a weight at 127 registers, two CTAs an SM; unrolled by two that
+# layout needs 178 registers, one CTA an SM). H200, whole linear, graph, two processes each, y bit-identical, us (4
+# k-tiles x 8 stages unrolled -> this), K=4 mcg: 4096x14336 M=64 34.30 -> 33.68 and 34.65 -> 33.82 (s29), M=40 33.31
+# -> 32.49 and 33.64 -> 33.17; 14336x4096 M=64 31.28 -> 30.78 and 31.73 -> 30.53; K=2 3inst 4096x14336 M=64 33.59 ->
+# 31.98 (docs/perf.md, twenty-eighth and twenty-ninth sessions). Rolled alone: 34.65 / 33.94 / 31.70.
+DENSE_WGMMA_SMALL_MAX_GROUPS = 8
+DENSE_WGMMA_SMALL_LAYOUT = dict(k_tiles_per_stage=8, stages=4, rolled=True)
 # X's column order for that GEMM (GemmConfig.x_order) from this many tokens per CTA on: "stages" (written in the
 # stages' swizzled layout by the rotations; thread 0 brings a stage with one bulk copy per 64 columns), below it
 # "rows" (every thread's cp.async pieces). Same MMA operands, y bit-identical. H200, K=4 mcg, graph, two rounds, us,

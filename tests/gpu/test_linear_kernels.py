@@ -153,6 +153,37 @@ def test_linear_with_x_in_stages_order_is_bit_identical_to_row_order(seed, shape
     assert not outs[0][0].isnan().any() and torch.equal(outs[0][0], outs[1][0])
 
 
+@pytest.mark.parametrize("shape", [(4096, 2048), (2048, 4096)])
+@pytest.mark.parametrize("tokens", [40, 64])
+@pytest.mark.parametrize("bits,codebook", [(2.0, "3inst"), (4.0, "mcg"), (6.0, "mul1")])
+def test_rolled_small_wgmma_layout_changes_no_bit(seed, shape, tokens, bits, codebook, monkeypatch):
+    """Up to 64 tokens the wgmma GEMM runs 4 rolled stages of 8 k-tiles (targets.DENSE_WGMMA_SMALL_LAYOUT, each stage
+    waiting for every MMA before it decodes into their A registers): the same MMAs in the same order as 8 unrolled
+    stages of 4 at the same K splits (the planner's condition), so y is bit-identical, outputs poisoned first;
+    replayed too."""
+    if not ops.has_wgmma(ops.target_arch("cuda")):
+        pytest.skip("warpgroup MMA needs sm_90a")
+    _, lin = device_linear(seed, *shape, bits, codebook)
+    x = torch.randn(tokens, shape[0], dtype=torch.float16, device="cuda")
+    outs = []
+    for small in (ops.targets.DENSE_WGMMA_SMALL_LAYOUT, {}):
+        monkeypatch.setattr(ops.targets, "DENSE_WGMMA_SMALL_LAYOUT", small)
+        lin.plans.clear()
+        plan = ops.plan_for(lin, x)
+        assert plan.gemm_plan.config.rolled == bool(small)
+        y = torch.full((tokens, shape[1]), float("nan"), dtype=torch.float16, device="cuda")
+        ops.linear_forward(x, lin, out=y)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = ops.linear_forward(x, lin)
+        replayed.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(replayed, y)
+        outs.append((y, plan))  # the plan keeps its scratch alive
+    assert outs[0][1].gemm_plan.splits == outs[1][1].gemm_plan.splits
+    assert not outs[0][0].isnan().any() and torch.equal(outs[0][0], outs[1][0])
+
+
 @pytest.mark.parametrize("rows", [320, 300, 384])
 @pytest.mark.parametrize("bits,codebook", [(2.0, "3inst"), (4.0, "mcg"), (3.5, "mul1")])
 def test_320_token_warpgroup_mma_reproduces_decoded_weights(seed, bits, codebook, rows):
