@@ -57,8 +57,9 @@ DENSE_WGMMA_STAGES = 8
 # (GemmConfig.rolled: sm_90a K=4 mcg 6.50 SASS a weight at 127 registers, two CTAs an SM; unrolled by two that
 # layout needs 178 registers, one CTA an SM). H200, whole linear, graph, two processes each, y bit-identical, us (4
 # k-tiles x 8 stages unrolled -> this), K=4 mcg: 4096x14336 M=64 34.30 -> 33.68 and 34.65 -> 33.82 (s29), M=40 33.31
-# -> 32.49 and 33.64 -> 33.17; 14336x4096 M=64 31.28 -> 30.78 and 31.73 -> 30.53; K=2 3inst 4096x14336 M=64 33.59 ->
-# 31.98 (docs/perf.md, twenty-eighth and twenty-ninth sessions). Rolled alone: 34.65 / 33.94 / 31.70.
+# -> 32.49, M=48 33.64 -> 33.17 (s29); 14336x4096 M=64 31.28 -> 30.78 and 31.73 -> 30.53 (s29); K=2 3inst 4096x14336
+# M=64 33.59 -> 31.98 (docs/perf.md, twenty-eighth and twenty-ninth sessions). Rolled alone: 34.65 / 33.94 / 31.70.
+# At 65-256 tokens this layout lost (M=128 44.69 -> 48.77, 42.96 -> 46.55: 168 registers, one CTA an SM).
 DENSE_WGMMA_SMALL_MAX_GROUPS = 8
 DENSE_WGMMA_SMALL_LAYOUT = dict(k_tiles_per_stage=8, stages=4, rolled=True)
 # X's column order for that GEMM (GemmConfig.x_order) from this many tokens per CTA on: "stages" (written in the
