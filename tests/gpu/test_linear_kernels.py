@@ -127,6 +127,20 @@ def test_warpgroup_mma_with_x_in_stages_order_reproduces_decoded_weights(seed, b
     assert torch.equal(got, decode_trellis(tensors.trellis, codebook, bits).float()[:rows]), f"seed={seed} {plan}"
 
 
+def eager_and_replayed(x, lin, out_features):
+    """The planned linear on fp16 x into a NaN-poisoned y, then captured in a CUDA graph and replayed into poisoned
+    memory: the replay must give y's bits. Returns y."""
+    y = poisoned((x.shape[0], out_features), torch.float16)
+    ops.linear_forward(x, lin, out=y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ops.linear_forward(x, lin)
+    replayed.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(replayed, y)
+    return y
+
+
 @pytest.mark.parametrize("shape", [(4096, 1024), (1024, 4096)])
 @pytest.mark.parametrize("tokens", [200, 256])
 def test_linear_with_x_in_stages_order_is_bit_identical_to_row_order(seed, shape, tokens, monkeypatch):
@@ -142,14 +156,7 @@ def test_linear_with_x_in_stages_order_is_bit_identical_to_row_order(seed, shape
         lin.plans.clear()
         plan = ops.plan_for(lin, x)
         assert plan.gemm_plan.config.x_order == ("stages" if min_tokens == 256 else "rows")
-        y = ops.linear_forward(x, lin).clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = ops.linear_forward(x, lin)
-        replayed.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(replayed, y)
-        outs.append((y, plan))  # the plan keeps its scratch alive
+        outs.append((eager_and_replayed(x, lin, shape[1]), plan))  # the plan keeps its scratch alive
     assert not outs[0][0].isnan().any() and torch.equal(outs[0][0], outs[1][0])
 
 
@@ -171,15 +178,7 @@ def test_rolled_small_wgmma_layout_changes_no_bit(seed, shape, tokens, bits, cod
         lin.plans.clear()
         plan = ops.plan_for(lin, x)
         assert plan.gemm_plan.config.rolled == bool(small)
-        y = torch.full((tokens, shape[1]), float("nan"), dtype=torch.float16, device="cuda")
-        ops.linear_forward(x, lin, out=y)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = ops.linear_forward(x, lin)
-        replayed.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(replayed, y)
-        outs.append((y, plan))  # the plan keeps its scratch alive
+        outs.append((eager_and_replayed(x, lin, shape[1]), plan))  # the plan keeps its scratch alive
     assert outs[0][1].gemm_plan.splits == outs[1][1].gemm_plan.splits
     assert not outs[0][0].isnan().any() and torch.equal(outs[0][0], outs[1][0])
 
