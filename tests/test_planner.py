@@ -162,6 +162,9 @@ def test_dense_warpgroup_gemm_takes_up_to_eight_stages():
     # where 8-k-tile stages would split K more coarsely (32 splits of 8 k-tiles -> 16 of 16), the 4-k-tile layout stays
     plan = plan_gemm(64, linear(4096, 1024), 132, arch="sm_90a")
     assert (plan.config.rolled, plan.config.k_tiles_per_stage, plan.splits) == (False, 4, 32)
+    # a caller's own stages take the standard layout, not half of the small one
+    cfg = plan_gemm(64, linear(4096, 14336), 132, arch="sm_90a", k_tiles_per_stage=4).config
+    assert (cfg.rolled, cfg.stages) == (False, 8)
     from exl3tool.ops import moe
 
     assert moe.gemm_config(4.0, "mcg", 2, 64, wgmma=True).mainloop.rolled  # moe.WGMMA_BLOCK_LAYOUT

@@ -179,7 +179,7 @@ def test_warpgroup_mma_stages_never_write_a_fragments_that_running_mmas_read(kin
         first_mma = next(n for n, i in enumerate(loop.instructions) if i.root == "HGMMA")
         wait = next(n for n, i in enumerate(loop.instructions) if i.opcode == "WARPGROUP.DEPBAR.LE")
         assert wait < first_mma and not any(
-            set(range(int(r), int(r) + 1)) & groups[0] for i in loop.instructions[:wait]
+            int(r) in groups[0] for i in loop.instructions[:wait]
             for r in re.findall(r"^\s*R(\d+)", i.operands))  # no A register written before the wait
         return
     assert len(groups) >= 2 and set(waits) == {"0x1"}, (len(groups), waits)

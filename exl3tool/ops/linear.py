@@ -150,11 +150,11 @@ def plan_gemm(
         layout = {**WGMMA_LAYOUT, "stages": targets.DENSE_WGMMA_STAGES, "split_halves": False,
                   "x_order": targets.wgmma_x_order(8 * token_groups)}
         plan = _plan_gemm(tokens, lin, sm_count, token_groups, arch, {**layout, **config})
-        if token_groups > targets.DENSE_WGMMA_SMALL_MAX_GROUPS:
-            return plan
+        small_layout = targets.DENSE_WGMMA_SMALL_LAYOUT
+        if token_groups > targets.DENSE_WGMMA_SMALL_MAX_GROUPS or small_layout.keys() & config.keys():
+            return plan  # past the small layout's tokens, or the caller chose its own stages
         # The small layout's 8-k-tile stages may split K more coarsely: it is measured at the same splits only.
-        small = _plan_gemm(tokens, lin, sm_count, token_groups, arch,
-                           {**layout, **targets.DENSE_WGMMA_SMALL_LAYOUT, **config})
+        small = _plan_gemm(tokens, lin, sm_count, token_groups, arch, {**layout, **small_layout, **config})
         return small if small.splits == plan.splits else plan
     return _plan_gemm(tokens, lin, sm_count, token_groups, arch, config)
 
