@@ -136,6 +136,7 @@ class RouteInputRotationConfig:
     # registers (exact: a power of two) so that x * suh splits exactly into fp16 hi + lo; the output undoes it.
     hadamard: str = "shuffle"
     suh_shift: int = 0
+    early_next: bool = False  # PDL: let the gate/up GEMM launch right after this kernel's wait
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
@@ -182,7 +183,7 @@ class RouteInputRotation:
         """Warp w of CTA (b, t): block 4b + w of routes 8t .. 8t+7. The MMAs' 16 rows are route 8t + g's two
         planes: thread (g, q) holds x * gate_suh as row g and x * up_suh as row g + 8, of the block the run of
         quad q (``hadamard_mma.run_column``), so it loads x and its route's indices once."""
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         k, shift = self.cfg.routes_per_token, self.cfg.suh_shift
         tid, _, _ = cute.arch.thread_idx()
         bx, tile, _ = cute.arch.block_idx()
@@ -221,7 +222,7 @@ class RouteInputRotation:
     def kernel(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
                mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                mRowRoute: cute.Tensor, mRouteRow: cute.Tensor):
-        ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         k, per_warp, n = self.cfg.routes_per_token, self.cfg.slots_per_warp, self.cfg.lane_values
         tid, _, _ = cute.arch.thread_idx()
         tok, bx, z = cute.arch.block_idx()

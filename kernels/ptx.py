@@ -64,7 +64,7 @@ def wait_for_prior_kernels(early_next: bool = False) -> None:
     """``griddepcontrol.wait`` under PDL: the kernel before this one in the stream has finished and its writes
     are visible; then, with ``early_next``, ``griddepcontrol.launch_dependents``. Every kernel calls it first,
     before any global access: another kernel may have written anything it reads, weights included. One exception:
-    the MoE down GEMM behind a gate/up GEMM that waited first (``MoEGemmConfig.weights_before_wait``). Traced
+    the MoE GEMMs behind a kernel that waited first (``MoEGemmConfig.weights_before_wait``). Traced
     inline; nothing without PDL."""
     if _PDL.get():
         cute.arch.griddepcontrol_wait()

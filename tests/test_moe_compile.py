@@ -222,6 +222,30 @@ def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
     assert plain.count(MMA) == body.count(MMA)
 
 
+@pytest.mark.parametrize("rows,split", [(8, True), (32, False)])
+def test_gate_up_gemm_issues_its_first_weights_before_its_wait(rows, split):
+    """``weights_before_wait`` on the gate/up GEMM (moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS, behind an input rotation
+    with ``early_next``): before the PDL wait the CTA reads only its block's expert and group row and issues only
+    its weight copies of the stages ahead; the MMAs are the plain GEMM's."""
+    plain = gemm_config(4.0, "mcg", 2, rows, split_halves=split)
+    cfg = dataclasses.replace(plain, weights_before_wait=True)
+    main = cfg.mainloop
+    body = ptx_of(cfg, "sm_90a")
+    body = body[body.index(".entry"):]
+    before = body[: body.index(PDL_WAIT)]
+    assert [m.group(0) for m in GLOBAL_ACCESS.finditer(before)] == ["ld.global"] * 2
+    assert before.count("cp.async.cg.shared.global") == weight_copy_count(main, 32 * main.warps) * (main.stages - 1)
+    assert body.count(MMA) == ptx_of(plain, "sm_90a").count(MMA) > 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_input_rotation_lets_the_gate_up_gemm_launch_right_after_its_wait(arch):
+    """``RouteInputRotationConfig.early_next``: one griddepcontrol.launch_dependents right after the wait, before any
+    global access; none without it, none on SM80."""
+    for early in (False, True):
+        assert_early_next(ptx_of(RouteInputRotationConfig("float16", 8, early_next=early), arch), early, arch)
+
+
 def test_gate_up_gemm_lets_the_down_gemm_launch_before_its_fused_tail():
     """``next_after_loop``: each CTA triggers the next launch after its partials' stores, before it counts in for
     the fused intermediate (whose last CTA's tail the down GEMM's weight loads then overlap)."""

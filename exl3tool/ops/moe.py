@@ -152,10 +152,16 @@ UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
 # H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold copies, three rounds, y bit-identical, us: M=1
 # 27.94 / 27.78 / 27.92 -> 27.59 / 27.28 / 27.31, M=6 77.5 / 77.6 / 78.0 -> 75.4 / 75.6 / 76.3, M=7 81.7 / 82.1 /
 # 82.4 -> 80.1 / 79.9 / 80.7, M=8 85.6 / 85.5 / 86.3 -> 84.7 / 84.7 / 84.9; M=2, 3 and 5 even. Not kept (another
-# run): the gate/up GEMM's weights before its wait behind an input rotation that lets it launch at once (M=2 39.4
-# -> 40.4, M=4 56.8 -> 58.4-58.9, M=64 177.8 / 181.3 -> 175.4 / 176.7), nor the down GEMM's behind the Intermediate
-# launch (M=4 56.8 -> 62.0 / 62.3).
+# run): the down GEMM's weights before its wait behind the Intermediate launch (M=4 56.8 -> 62.0 / 62.3).
 EARLY_DOWN_WEIGHTS = True
+# From this many tokens on, the input rotation lets an mma.sync gate/up GEMM launch right after its own wait
+# (RouteInputRotationConfig.early_next) and that GEMM issues its first weight stages before its PDL wait
+# (weights_before_wait, as the down GEMM above): the blocks' experts come from the route kernel, which finished
+# before the rotation's wait. The same MMAs: y bit-identical. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over
+# L2-cold copies, two processes each, us: M=16 111.22 -> 110.76, M=32 134.46 -> 133.15, M=64 161.67 -> 159.89,
+# M=128 205.82 -> 203.58, M=256 246.85 -> 246.23; M=4 55.37 -> 55.18, and in s20 M=2 39.4 -> 40.4, M=4 56.8 ->
+# 58.4-58.9 (M=64 177.8 / 181.3 -> 175.4 / 176.7), so from 16.
+EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 16
 # Up to this many tokens the route kernel lets the next kernel (the gate/up GEMM at M = 1, else the input rotation)
 # launch right after its own wait (MoERouteConfig.early_next), so its CTAs are resident when the route ends; and a
 # group of consecutive expert ids finds a route block's row in it as the expert minus its first id
@@ -383,6 +389,12 @@ def fused_topk(tokens: int, given: bool) -> bool:
     return tokens <= FUSED_TOPK_TOKENS and not given
 
 
+def early_gate_up(tokens: int, resident: bool, wgmma: bool) -> bool:
+    """Does the input rotation let the gate/up GEMM launch right after its wait, and that GEMM issue its first
+    weight stages before its own (EARLY_GATE_UP_WEIGHTS_MIN_TOKENS)? mma.sync route blocks behind the rotation."""
+    return tokens >= EARLY_GATE_UP_WEIGHTS_MIN_TOKENS and not resident and not wgmma
+
+
 def uses_wgmma(block_rows: int, arch: str | None) -> bool:
     """Do route blocks of ``block_rows`` multiply with warpgroup MMAs on ``arch`` (None: the arch-free plan)?"""
     return has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
@@ -584,16 +596,17 @@ class MoEPlan:
             x2 = self.x2[: rows * ix].view(rows, ix)
             # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
             early = EARLY_DOWN_WEIGHTS and s.fused_intermediate
+            early13 = early_gate_up(tokens, resident, wgmma)
             first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
                               **sync_stages(arch, s.block_rows, wgmma, s.splits13),
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
-                              next_after_loop=early, group_first=first)
+                              next_after_loop=early, group_first=first, weights_before_wait=early13)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2,
                              **sync_stages(arch, s.block_rows, wgmma, s.splits2),
                              weights_before_wait=early, group_first=first)
-            rot = None if resident else K.compiled(self.input_rotation(g, wgmma, order13, lane_values, slot_groups),
-                                                   arch)
+            rot = None if resident else K.compiled(
+                replace(self.input_rotation(g, wgmma, order13, lane_values, slot_groups), early_next=early13), arch)
             inter = None if s.fused_intermediate else K.compiled(
                 intermediate_config(s.splits13, order2, i_p // 128), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)

@@ -305,6 +305,27 @@ def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeyp
         assert torch.equal(outs[0], outs[1]), (name, m)
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (16, 64, 256)), ("two-groups-k3-k5", (16,)),
+                                     ("k3.5-mul1-shared-gated", (32,))])
+def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
+    """From moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS the input rotation lets the mma.sync gate/up GEMM launch after its
+    wait and that GEMM issues its first weight stages before its own (8-, 16- and 32-row blocks here, one expert
+    group or two, the shared expert's): the same MMAs in the same order, so y is bit-identical to the GEMM that
+    waits first, eagerly (twice) and in graph replay."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for early in (True, False):
+            settings = {"EARLY_GATE_UP_WEIGHTS_MIN_TOKENS": m if early else m + 1}
+            y, made, _ = layer_with(monkeypatch, dmoe, x, settings)
+            gate_ups = [c for c in made if c.planes == 2]
+            assert len(gate_ups) == len(dmoe.groups) and all(c.weights_before_wait == early for c in gate_ups)
+            assert all(c.mma == "sync" for c in gate_ups)
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), (name, m)
+
+
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
                                      ("two-groups-k3-k5", (2,))])
 def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, name, ms, monkeypatch):
@@ -605,7 +626,8 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
                 for g in dmoe.groups:
                     split13 = moe_ops.group_splits(plan.arch, g, shape.block_rows)[0]
                     cfg = RouteInputRotationConfig("float16", k, min(slot_groups, k),
-                                                   moe_ops.x_order(shape.block_rows, split13, wgmma), lane_values)
+                                                   moe_ops.x_order(shape.block_rows, split13, wgmma), lane_values,
+                                                   early_next=moe_ops.early_gate_up(m, False, wgmma))
                     assert moe_ops.K.compiled(cfg, plan.arch) in [
                         fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
             poison(plan)
