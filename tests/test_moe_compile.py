@@ -201,14 +201,10 @@ def test_rotations_compile(config):
     assert "st.global.b16" not in ptx and "st.global.u16" not in ptx
 
 
-@pytest.mark.parametrize("topk", [None, TopKSumConfig(8, "float16", 3)], ids=["plain", "topk-sum"])
-@pytest.mark.parametrize("split", [False, True])
-def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
-    """``weights_before_wait`` (the down GEMM behind a gate/up GEMM that does the intermediate): before the PDL wait
-    the CTA reads only its block's expert and group row and issues only the weight copies of its first stage (X,
-    every store and the arrival counter after it); every path waits, an unused block's CTA too."""
-    cfg = dataclasses.replace(gemm_config(4.0, "mcg", 1, 8, split_halves=split, weights_before_wait=True),
-                              topk_sum=topk)
+def assert_first_weights_before_wait(cfg, plain):
+    """``weights_before_wait``: before the PDL wait the CTA reads only its block's expert and group row and issues
+    only the weight copies of the stages ahead (X, every store and any arrival counter after it); every path waits,
+    an unused block's CTA too; the MMAs are those of ``plain``, the GEMM that waits first (without a fused tail)."""
     main = cfg.mainloop
     body = ptx_of(cfg, "sm_90a")
     body = body[body.index(".entry"):]
@@ -218,24 +214,23 @@ def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
     assert before.count("cp.async.cg.shared.global") == w_copies > 0
     assert body.count(PDL_WAIT) == 2 and body.count("cp.async.cg.shared.global") > w_copies
     assert "griddepcontrol" not in ptx_of(cfg, "sm_80")  # no PDL there: nothing to wait for
-    plain = ptx_of(gemm_config(4.0, "mcg", 1, 8, split_halves=split), "sm_90a")
-    assert plain.count(MMA) == body.count(MMA)
+    assert ptx_of(plain, "sm_90a").count(MMA) == body.count(MMA) > 0
+
+
+@pytest.mark.parametrize("topk", [None, TopKSumConfig(8, "float16", 3)], ids=["plain", "topk-sum"])
+@pytest.mark.parametrize("split", [False, True])
+def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
+    """The down GEMM behind a gate/up GEMM that does the intermediate (moe.EARLY_DOWN_WEIGHTS), with or without
+    the fused top-k sum."""
+    plain = gemm_config(4.0, "mcg", 1, 8, split_halves=split)
+    assert_first_weights_before_wait(dataclasses.replace(plain, weights_before_wait=True, topk_sum=topk), plain)
 
 
 @pytest.mark.parametrize("rows,split", [(8, True), (32, False)])
 def test_gate_up_gemm_issues_its_first_weights_before_its_wait(rows, split):
-    """``weights_before_wait`` on the gate/up GEMM (moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS, behind an input rotation
-    with ``early_next``): before the PDL wait the CTA reads only its block's expert and group row and issues only
-    its weight copies of the stages ahead; the MMAs are the plain GEMM's."""
+    """The gate/up GEMM behind an input rotation with ``early_next`` (moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS)."""
     plain = gemm_config(4.0, "mcg", 2, rows, split_halves=split)
-    cfg = dataclasses.replace(plain, weights_before_wait=True)
-    main = cfg.mainloop
-    body = ptx_of(cfg, "sm_90a")
-    body = body[body.index(".entry"):]
-    before = body[: body.index(PDL_WAIT)]
-    assert [m.group(0) for m in GLOBAL_ACCESS.finditer(before)] == ["ld.global"] * 2
-    assert before.count("cp.async.cg.shared.global") == weight_copy_count(main, 32 * main.warps) * (main.stages - 1)
-    assert body.count(MMA) == ptx_of(plain, "sm_90a").count(MMA) > 0
+    assert_first_weights_before_wait(dataclasses.replace(plain, weights_before_wait=True), plain)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
