@@ -104,6 +104,15 @@ class MoEGemmConfig:
     # lookup between the block's expert and its first weight copies.
     group_first: int = -1
     rolled: bool = False  # wgmma: one stage a main-loop iteration (GemmConfig.rolled)
+    # Block-ready counters instead of the grid-wide PDL wait between gate/up and down (mma.sync route blocks):
+    # gate/up with the fused intermediate lets the down GEMM launch as each CTA starts and counts each
+    # (route block, 128-column block of I) in at the block's ready counter once its X2 is written
+    # (``ready_signal``); each down CTA issues its first weight stages, waits for its block's count, counts itself
+    # out (the last one resets it) and waits for the kernel before only at its end, so down's CTAs fill the SMs
+    # that gate/up's last CTAs leave idle (``ready_wait``). The counters follow the fused intermediate's in
+    # ``counter``: ``[blocks * I_p/128 + blocks]``.
+    ready_signal: bool = False
+    ready_wait: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -122,6 +131,11 @@ class MoEGemmConfig:
             raise ValueError("group_first is an expert id, or -1 for the group_row table")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
+        if self.ready_signal and (not self.intermediate_splits or self.next_after_loop or self.input is not None):
+            raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
+        if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.topk_sum is not None
+                                or self.weights_before_wait):
+            raise ValueError("ready_wait is for the mma.sync down GEMM without a fused top-k sum")
         self.mainloop  # validates the rest, including the shared-memory limit
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
         if self.skip_padding_tail and (self.mma != "wgmma" or self.token_groups <= WGMMA_MAX_GROUPS or self.input):
@@ -216,7 +230,9 @@ class MoEGemm(DecodeGemmKernel):
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
                mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
-        if cutlass.const_expr(not cfg.weights_before_wait):
+        if cutlass.const_expr(cfg.ready_signal):
+            ptx.launch_dependents()  # the down GEMM waits for its blocks' ready counters, not for this grid
+        if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):
             ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
@@ -270,6 +286,11 @@ class MoEGemm(DecodeGemmKernel):
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
                 wait = ptx.wait_for_prior_kernels if cfg.weights_before_wait else None
+                if cutlass.const_expr(cfg.ready_wait):
+                    n_ib = k_tiles // 8
+                    ready = mCounter.iterator.toint() + (Int64(mBlockExpert.shape[0]) * n_ib + blk) * 4
+                    gx, _, gz = cute.arch.grid_dim()
+                    wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
                 loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
                              tok0, rows, k_begin, n_chunks, None, rows)
                 if cutlass.const_expr(cfg.skip_padding_tail):
@@ -312,6 +333,10 @@ class MoEGemm(DecodeGemmKernel):
                                                  cfg.intermediate_splits, cfg.x2_order)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+                    if cutlass.const_expr(cfg.ready_signal):
+                        blocks = mBlockExpert.shape[0]
+                        ptx.signal_count(mCounter.iterator.toint() + (Int64(blocks) * (n_col_tiles // 8) + blk) * 4,
+                                         tid)
 
             if cutlass.const_expr(cfg.topk_sum is not None):
                 block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
@@ -325,6 +350,8 @@ class MoEGemm(DecodeGemmKernel):
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
         elif cutlass.const_expr(cfg.weights_before_wait):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
+        if cutlass.const_expr(cfg.ready_wait):
+            ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
 
 
 def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):

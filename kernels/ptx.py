@@ -415,6 +415,44 @@ def count_in(counter: Int64, expected: Int32, flag: cute.Tensor, slot: cutlass.C
 
 
 @dsl_user_op
+def ld_acquire_u32(gmem_addr, *, loc=None, ip=None) -> Int32:
+    """A device-scope acquire load: what was released to this word before the value read is visible."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), values, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l",
+                                 has_side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    _asm_void([], f"nanosleep.u32 {ns};", "", loc=loc, ip=ip)
+
+
+@cute.jit
+def signal_count(counter: Int64, tid: Int32):
+    """Release this CTA's global writes to ``counter`` and add one to it (``wait_count``'s writers): a CTA barrier,
+    then thread 0's ``atom.acq_rel.gpu``."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        atomic_add_acq_rel_u32(counter, Int32(1))
+
+
+@cute.jit
+def wait_count(counter: Int64, target: Int32, readers: Int32, tid: Int32):
+    """Wait until ``counter`` reaches ``target`` (writers' ``count_in``-style releases), then count this CTA out as
+    one of its ``readers``: the last one resets it to zero for the next launch. Thread 0 spins (acquire loads,
+    backing off) between two CTA barriers, which carry the order to the other threads, as in ``count_in``."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        seen = ld_acquire_u32(counter)
+        while seen < target:
+            nanosleep(256)
+            seen = ld_acquire_u32(counter)
+        if atomic_add_u32(counter, Int32(1)) == target + readers - 1:
+            st_global_u32(counter, Int32(0))
+    cute.arch.sync_threads()
+
+
+@dsl_user_op
 def pack_f32x2(lo, hi, dtype: str, *, loc=None, ip=None) -> Int32:
     """Two Float32 rounded to nearest and packed as fp16x2 or bf16x2 (``lo`` in the low half): one cvt."""
     kind = {"float16": "f16x2", "bfloat16": "bf16x2"}[dtype]

@@ -13,7 +13,7 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_kernels
-from exl3tool.ops.moe import gemm_config
+from exl3tool.ops.moe import gemm_config, x_order
 from exl3tool.ops.runtime import compile_with_ptx
 from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_early_next, assert_waits_before_global_access
 
@@ -250,6 +250,41 @@ def test_gate_up_gemm_lets_the_down_gemm_launch_before_its_fused_tail():
     assert body.count("griddepcontrol.launch_dependents") == 1 and body.index(PDL_WAIT) < trigger
     assert body.rindex("st.global.b32", 0, body.index(ARRIVAL)) < trigger < body.index(ARRIVAL)
     assert "launch_dependents" not in ptx_of(dataclasses.replace(cfg, next_after_loop=False), "sm_90a")
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_down(rows):
+    """``ready_signal`` / ``ready_wait``: gate/up triggers the down launch before anything else and, in the fused
+    intermediate's last CTA, adds one to its block's ready counter after X2 (a release atomic after the counter's
+    reset); down issues its first weights, spins on the counter with acquire loads and a back-off, counts itself out
+    (the last reader zeroes it), then copies X, and waits for the kernel before only after its partials. The MMAs
+    are those of the grid-wide wait."""
+    split = rows == 8
+    up = gemm_config(4.0, "mcg", 2, rows, split_halves=split, intermediate_splits=1, ready_signal=True,
+                     x2_order=x_order(rows, split))
+    body = ptx_of(up, "sm_90a")
+    body = body[body.index(".entry"):]
+    assert body.count("griddepcontrol.launch_dependents") == 1
+    assert body.index("griddepcontrol.launch_dependents") < min(body.index(PDL_WAIT), body.index("ld.global"))
+    assert body.count(ARRIVAL) == 2 and body.rindex("st.global.u32") < body.rindex(ARRIVAL)
+    assert body.count(MMA) == ptx_of(replace_ready(up, False), "sm_90a").count(MMA)
+
+    down = gemm_config(4.0, "mcg", 1, rows, split_halves=split, ready_wait=True)
+    body = ptx_of(down, "sm_90a")
+    body = body[body.index(".entry"):]
+    spin = body.index("ld.acquire.gpu.global.u32")
+    assert "launch_dependents" not in body and body.count(PDL_WAIT) == 1 and "nanosleep.u32" in body
+    assert body.index("cp.async.cg.shared.global") < spin < body.index("atom.global.add.u32")
+    assert body.rindex("st.global.b32") < body.index(PDL_WAIT)  # the partials, then the wait
+    assert body.count(MMA) == ptx_of(replace_ready(down, False), "sm_90a").count(MMA)
+    with pytest.raises(ValueError):  # the signal comes from the fused intermediate's last CTA
+        gemm_config(4.0, "mcg", 2, rows, split_halves=split, ready_signal=True)
+    with pytest.raises(ValueError):  # down waits for its counter, not for the kernel before
+        gemm_config(4.0, "mcg", 1, rows, split_halves=split, ready_wait=True, weights_before_wait=True)
+
+
+def replace_ready(cfg, on: bool):
+    return dataclasses.replace(cfg, ready_signal=on and cfg.planes == 2, ready_wait=on and cfg.planes == 1)
 
 
 @pytest.mark.parametrize("planes", [2, 1])

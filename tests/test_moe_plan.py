@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
+from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import (
     DeviceExpertGroup,
     _per_split,
@@ -87,11 +88,20 @@ def test_block_rows_grow_with_the_routes_per_expert():
     assert one.blocks == 1 + 8 and one.splits13 > 1 and one.splits2 > 1  # M=1 splits K to fill the SMs
 
 
-def test_the_intermediate_is_fused_only_into_a_short_gate_up_grid():
-    """The gate/up GEMM takes over the intermediate step only where its grid, counted over the blocks uniform routing
+def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_ready_counters(monkeypatch):
+    """The gate/up GEMM takes over the intermediate step where its grid, counted over the blocks uniform routing
     is expected to use, is at most 1.25 waves of 8 CTAs per SM (H200: M=1-3 and 5-8 faster, M=4 at 2 K splits and
-    M=9 on slower), so at decode for this layer, and at M=16 too on a GPU with many more SMs."""
+    M=9 on slower), so at decode for this layer, and at M=16 too on a GPU with many more SMs; and from
+    moe.READY_COUNTERS_MIN_TOKENS (4) wherever the route blocks use mma.sync, whose down GEMM then waits for
+    block-ready counters: on sm_90a up to 32-row blocks, never the warpgroup-MMA ones."""
     d = moe()
+    fused = [m for m in range(1, 600) if step_shape(d, m, 132, "sm_90a").fused_intermediate]
+    ready = [m for m in range(1, 600) if step_shape(d, m, 132, "sm_90a").ready_counters]
+    assert fused[:3] == [1, 2, 3] and ready == fused[3:] and ready[0] == 4
+    assert all(step_shape(d, m, 132, "sm_90a").block_rows <= 32 for m in ready)
+    assert step_shape(d, ready[-1] + 1, 132, "sm_90a").block_rows == 64
+    assert not step_shape(d, 4096, 132, "sm_90a").fused_intermediate
+    monkeypatch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)
     assert [m for m in range(1, 17) if step_shape(d, m, 132).fused_intermediate] == [1, 2, 3, 5, 6, 7, 8]
     assert not any(step_shape(d, m, 132).fused_intermediate for m in (64, 256, 4096))
     assert step_shape(d, 16, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate

@@ -173,6 +173,13 @@ EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 16
 # M=256 251.4 -> 252.8, so only up to 16 tokens.
 EARLY_ROUTE_NEXT_TOKENS = 16
 CONTIGUOUS_GROUP_ROWS = True
+# From this many tokens on, mma.sync route blocks hand X2 from gate/up to down through block-ready counters
+# (MoEGemmConfig.ready_signal / ready_wait; the intermediate fused into gate/up): down's CTAs start as gate/up's
+# last ones run, each waiting only for its own block. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over L2-cold
+# copies, two processes each, y bit-identical, us, grid-wide wait -> counters: M=4 55.39 -> 54.19, M=6 64.17 ->
+# 60.16, M=8 75.01 -> 70.43, M=12 94.57 -> 90.73, M=16 111.13 -> 107.00, M=64 164.93 -> 163.16, M=128 209.39 ->
+# 204.83, M=256 252.48 -> 244.86; M=2 33.98 -> 34.91 (two K splits), so from 4 (docs/perf.md, s35).
+READY_COUNTERS_MIN_TOKENS = 4
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
 RESIDENT_INPUT_TOKENS = 1
@@ -330,6 +337,7 @@ class StepShape:
     splits13: int
     splits2: int
     fused_intermediate: bool = False  # the gate/up GEMM does the intermediate step (FUSED_INTERMEDIATE_ROWS)
+    ready_counters: bool = False  # down waits for block-ready counters, not for gate/up's grid (READY_COUNTERS_...)
 
     @property
     def rows(self) -> int:
@@ -458,7 +466,9 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
     short = ctas_per_block13 * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
         FUSED_INTERMEDIATE_WAVES * CTAS_PER_SM * sm_count)
-    return StepShape(tokens, block_rows, blocks, splits13, splits2, block_rows <= FUSED_INTERMEDIATE_ROWS and short)
+    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not uses_wgmma(block_rows, arch)
+    fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short)
+    return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready)
 
 
 def expected_blocks(cfg: MoERouteConfig, tokens: int, block_rows: int) -> float:
@@ -595,16 +605,17 @@ class MoEPlan:
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * ix].view(rows, ix)
             # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
-            early = EARLY_DOWN_WEIGHTS and s.fused_intermediate
+            early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
             early13 = early_gate_up(tokens, resident, wgmma)
             first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
                               **sync_stages(arch, s.block_rows, wgmma, s.splits13),
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
-                              next_after_loop=early, group_first=first, weights_before_wait=early13)
+                              next_after_loop=early, group_first=first, weights_before_wait=early13,
+                              ready_signal=s.ready_counters)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2,
                              **sync_stages(arch, s.block_rows, wgmma, s.splits2),
-                             weights_before_wait=early, group_first=first)
+                             weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
             rot = None if resident else K.compiled(
                 replace(self.input_rotation(g, wgmma, order13, lane_values, slot_groups), early_next=early13), arch)
             inter = None if s.fused_intermediate else K.compiled(
@@ -615,8 +626,9 @@ class MoEPlan:
             # (row_route also when the GEMM writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if resident or g13.skip_padding_tail else None, None, 0)
             if s.fused_intermediate:
+                # the (block, 128 columns of I) arrival counters, then with ready_counters one per block
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
-                                            ((s.blocks * (i_p // 128),), torch.int32))
+                                            ((s.blocks * (i_p // 128 + s.ready_counters),), torch.int32))
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
             prologue = (g.gate_suh, g.up_suh, ids, route_row) if resident else ()
             gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
@@ -634,6 +646,8 @@ class MoEPlan:
             down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, per2)
             if g2.skip_padding_tail:
                 down += (None, None, row_route, None, 0)
+            if g2.ready_wait:
+                down += (None, None, None, counter, 0)
             if topk_fused:  # the sum's arguments: counters, ids, route_row, down_svh, svh_row, weights, y
                 g2 = replace(g2, topk_sum=topk)
                 down += (None, None, None, topk_counter, 0, None, None, ids, route_row, d.down_svh, d.svh_row,

@@ -165,9 +165,10 @@ def test_synthetic_layers_match_the_reference(synthetic, name):
         assert len(dmoe.groups) == 2 and plan.launches(1) == 5  # route, 2 per group (top-k sum in the down GEMMs)
     if name == "qwen3-30b-shape-k4-mcg":
         # decode: the gate/up GEMM rotates x and does the intermediate, the down GEMM the top-k sum (given ids:
-        # the intermediate only); from M=16 (several waves) every step launches
+        # the intermediate only); the other mma.sync route blocks (block-ready counters) fuse the intermediate, and
+        # the warpgroup-MMA ones launch every step
         assert plan.launches(1) == 3 and plan.launches(1, given=True) == 5
-        assert plan.launches(16) == plan.launches(4096) == 6
+        assert plan.launches(16) == 5 and plan.launches(4096) == 6
 
 
 def test_bf16_activations(synthetic):
@@ -244,6 +245,7 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
                 patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident_tokens)
                 patch.setattr(moe_ops, "FUSED_INTERMEDIATE_ROWS", fused_rows)
                 patch.setattr(moe_ops, "FUSED_TOPK_TOKENS", topk_tokens)
+                patch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)  # (test_block_ready_counters_...)
                 plan = plan_moe(dmoe, max(ms))
                 assert plan.step(m, False).shape.fused_intermediate == (fused_rows > 0)  # one-wave grids here
                 per_group = 4 - (m <= resident_tokens) - (fused_rows > 0)
@@ -284,7 +286,7 @@ def layer_with(monkeypatch, dmoe, x, settings: dict):
     return y, made, plan
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 8)), ("two-groups-k3-k5", (1, 2)),
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 3)), ("two-groups-k3-k5", (1, 2)),
                                      ("k3.5-mul1-shared-gated", (1,))])
 def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
     """Behind a gate/up GEMM that does the intermediate, the down GEMM issues its first weight stage before its
@@ -324,6 +326,36 @@ def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monk
             assert all(c.mma == "sync" for c in gate_ups)
             outs.append(y)
         assert torch.equal(outs[0], outs[1]), (name, m)
+
+
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (16, 64, 256)), ("two-groups-k3-k5", (16, 40)),
+                                     ("k3.5-mul1-shared-gated", (32,))])
+def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
+    """From moe.READY_COUNTERS_MIN_TOKENS gate/up does the intermediate and the down GEMM waits for each route
+    block's ready counter instead of gate/up's whole grid (8- to 32-row blocks here, one expert group or two, the
+    shared expert's): the same MMAs and the same intermediate code, so y is bit-identical to the Intermediate launch
+    and the grid-wide wait, eagerly (twice) and in graph replay, with one launch fewer a group, and every arrival
+    counter is back at zero after the call."""
+    from exl3tool.ops.workspace import counters
+
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs, launches = [], []  # the planned step's launches (plan.launches reads the module's settings)
+        for ready in (True, False):
+            y, made, plan = layer_with(monkeypatch, dmoe, x, {"READY_COUNTERS_MIN_TOKENS": m if ready else m + 1})
+            torch.cuda.synchronize()
+            assert not any(arena.any() for arena in counters._arenas.values()), (name, m)
+            shape = plan.step(m, False).shape
+            gate_ups, downs = [c for c in made if c.planes == 2], [c for c in made if c.planes == 1]
+            assert shape.ready_counters == ready and len(downs) == len(dmoe.groups)
+            assert all(c.ready_signal == ready for c in gate_ups) and all(c.ready_wait == ready for c in downs)
+            if ready:
+                assert shape.fused_intermediate and all(c.intermediate_splits > 0 for c in gate_ups)
+            outs.append(y)
+            launches.append(len(plan.step(m, False).launches))
+        assert torch.equal(outs[0], outs[1]), (name, m)
+        assert launches[0] == launches[1] - len(dmoe.groups) * (not shape.fused_intermediate)
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
