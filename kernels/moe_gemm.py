@@ -288,7 +288,7 @@ class MoEGemm(DecodeGemmKernel):
                 wait = ptx.wait_for_prior_kernels if cfg.weights_before_wait else None
                 if cutlass.const_expr(cfg.ready_wait):
                     n_ib = k_tiles // 8
-                    ready = mCounter.iterator.toint() + (Int64(mBlockExpert.shape[0]) * n_ib + blk) * 4
+                    ready = block_ready_counter(mCounter, mBlockExpert, n_ib, blk)
                     gx, _, gz = cute.arch.grid_dim()
                     wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
                 loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
@@ -334,9 +334,7 @@ class MoEGemm(DecodeGemmKernel):
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
                     if cutlass.const_expr(cfg.ready_signal):
-                        blocks = mBlockExpert.shape[0]
-                        ptx.signal_count(mCounter.iterator.toint() + (Int64(blocks) * (n_col_tiles // 8) + blk) * 4,
-                                         tid)
+                        ptx.signal_count(block_ready_counter(mCounter, mBlockExpert, n_col_tiles // 8, blk), tid)
 
             if cutlass.const_expr(cfg.topk_sum is not None):
                 block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
@@ -352,6 +350,12 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
+
+
+def block_ready_counter(mCounter, mBlockExpert, n_ib, blk):
+    """Address of route block ``blk``'s ready counter (``ready_signal`` / ``ready_wait``): after the fused
+    intermediate's ``blocks * n_ib`` arrival counters. Traced inline."""
+    return mCounter.iterator.toint() + (Int64(mBlockExpert.shape[0]) * n_ib + blk) * 4
 
 
 def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):
