@@ -190,7 +190,8 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
                                     IntermediateConfig(2, "fragments", 4, 8),
                                     TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
-                                    TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4)], ids=str)
+                                    TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4),
+                                    TopKSumConfig(8, "float16", 1, 2)], ids=str)
 def test_rotations_compile(config):
     ptx = ptx_of(config)
     assert ptx.count("shfl.sync.bfly") >= 5 * 4

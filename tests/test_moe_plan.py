@@ -19,6 +19,7 @@ from exl3tool.ops.moe import (
     intermediate_blocks_per_warp,
     intermediate_config,
     step_shape,
+    sum_blocks_per_cta,
 )
 
 
@@ -197,3 +198,15 @@ def test_a_group_of_consecutive_experts_names_its_first():
     first = lambda experts: DeviceExpertGroup.first_expert.fget(SimpleNamespace(experts=experts))  # noqa: E731
     assert first(tuple(range(128))) == 0 and first((128,)) == 128 and first((4, 5, 6)) == 4
     assert first((1, 3, 5)) == -1 and first((0, 2)) == -1 and first((5, 4)) == -1
+
+
+def test_topk_sum_blocks_per_cta_leave_eight_ctas_per_sm(monkeypatch):
+    """The most column blocks per top-k sum CTA (4, 2, then 1) that still leave 8 CTAs per SM (132 SMs, 16 blocks a
+    token): 4 from 264 tokens, 2 from 132, else 1; never more than SUM_BLOCKS_PER_CTA."""
+    want = {1: 1, 131: 1, 132: 2, 256: 2, 263: 2, 264: 4, 4096: 4}
+    assert {m: sum_blocks_per_cta(m, 16, 132) for m in want} == want
+    for m in want:
+        per_cta = sum_blocks_per_cta(m, 16, 132)
+        assert m * 16 / per_cta >= 8 * 132 or per_cta == 1
+    monkeypatch.setattr(moe_ops, "SUM_BLOCKS_PER_CTA", 1)
+    assert sum_blocks_per_cta(4096, 16, 132) == 1

@@ -53,7 +53,7 @@ ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the
 # 8 values and 4): M=1024 33.5 / 33.7 -> 29.5 / 29.7, M=4096 127.1 / 128.5 -> 117.4 / 118.0; M=256 11.1 / 11.3
 # -> 11.0 / 11.1 (kept at 4).
 WIDE_ROTATION_PAIRS_PER_SM, WIDE_ROTATION = 64, (8, 4)
-SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA
+SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA (at most; sum_blocks_per_cta)
 # The Intermediate launch takes up to this many 128-column blocks of a packed row per warp (moe_rotate: the row's
 # index lookups once, every block's loads issued before the first butterfly). H200, E=128 top-8 2048x768 K=4 mcg
 # (6 blocks), layer graph, two rounds, y bit-identical, Intermediate kernel us (1 -> 2 -> 3 -> 6 blocks): M=256 12.1
@@ -397,6 +397,17 @@ def fused_topk(tokens: int, given: bool) -> bool:
     return tokens <= FUSED_TOPK_TOKENS and not given
 
 
+def sum_blocks_per_cta(tokens: int, col_blocks: int, sm_count: int) -> int:
+    """128-column blocks of a token per top-k sum CTA: the most of SUM_BLOCKS_PER_CTA, halved down to 1, that still
+    leaves 8 CTAs per SM (a slot's index loads serve all of a CTA's blocks). H200, E=128 top-8 hidden 2048, TopKSum
+    us: M=4096 110.5 -> 86.3 with 4 (2: 95.9); M=256 (4 would leave 7.8 CTAs an SM) 8.70 -> 7.74 with 2, layer
+    242.12 -> 241.45, y bit-identical (docs/perf.md, s36); M=16, 4 CTAs of 4 blocks instead of 16: 2.6 -> 3.3."""
+    per_cta = SUM_BLOCKS_PER_CTA
+    while per_cta > 1 and tokens * col_blocks < 8 * per_cta * sm_count:
+        per_cta //= 2
+    return per_cta
+
+
 def early_gate_up(tokens: int, resident: bool, wgmma: bool) -> bool:
     """Does the input rotation let the gate/up GEMM launch right after its wait, and that GEMM issue its first
     weight stages before its own (EARLY_GATE_UP_WEIGHTS_MIN_TOKENS)? mma.sync route blocks behind the rotation."""
@@ -587,11 +598,8 @@ class MoEPlan:
         resident = resident_input(tokens, given)
         lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, self.sm_count)
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
-        # Several column blocks per top-k sum CTA once that still leaves 8 CTAs per SM: a slot's index loads then
-        # serve all of them (H200, E=128 top-8 hidden 2048: M=4096 110.5 -> 86.3 us, M=256 8.6 -> 7.3; at M=16, 4
-        # CTAs of 4 blocks instead of 16: 2.6 -> 3.3).
         col_blocks = h_p // 128
-        per_cta = SUM_BLOCKS_PER_CTA if tokens * col_blocks >= 8 * SUM_BLOCKS_PER_CTA * self.sm_count else 1
+        per_cta = sum_blocks_per_cta(tokens, col_blocks, self.sm_count)
         topk = TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype], s.splits2, per_cta)
         topk_fused = fused_topk(tokens, given)
         # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
