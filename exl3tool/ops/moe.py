@@ -160,8 +160,9 @@ EARLY_DOWN_WEIGHTS = True
 # before the rotation's wait. The same MMAs: y bit-identical. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over
 # L2-cold copies, two processes each, us: M=16 111.22 -> 110.76, M=32 134.46 -> 133.15, M=64 161.67 -> 159.89,
 # M=128 205.82 -> 203.58, M=256 246.85 -> 246.23; M=4 55.37 -> 55.18, and in s20 M=2 39.4 -> 40.4, M=4 56.8 ->
-# 58.4-58.9 (M=64 177.8 / 181.3 -> 175.4 / 176.7), so from 16.
-EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 16
+# 58.4-58.9 (M=64 177.8 / 181.3 -> 175.4 / 176.7), so from 16. With the block-ready counters (s36), from 16 ->
+# from 4: M=4 53.82 -> 55.06, M=8 70.64 -> 70.03, M=12 89.83 -> 89.28, so from 8.
+EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 8
 # Up to this many tokens the route kernel lets the next kernel (the gate/up GEMM at M = 1, else the input rotation)
 # launch right after its own wait (MoERouteConfig.early_next), so its CTAs are resident when the route ends; and a
 # group of consecutive expert ids finds a route block's row in it as the expert minus its first id

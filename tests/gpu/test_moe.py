@@ -307,7 +307,7 @@ def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeyp
         assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (16, 64, 256)), ("two-groups-k3-k5", (16,)),
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (8, 16, 64, 256)), ("two-groups-k3-k5", (16,)),
                                      ("k3.5-mul1-shared-gated", (32,))])
 def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
     """From moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS the input rotation lets the mma.sync gate/up GEMM launch after its
