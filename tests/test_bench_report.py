@@ -12,6 +12,7 @@ from rich.console import Console
 from exl3tool.bench import report as R
 from exl3tool.bench import request as Q
 from exl3tool.bench.report import BenchReport, Case, Check, Environment, Result, Settings, Timing, timed_result
+from exl3tool.cli.console import ToolConsole
 from exl3tool.cli.render.bench import render_human
 from exl3tool.errors import UsageError
 from helpers import fake_timers
@@ -88,9 +89,10 @@ def test_json_schema():
     assert wrong["check"] == {"rel_l2": None, "cosine": -1.0, "max_abs": None, "passed": False}
 
 
-def test_human_table():
+def test_human_table(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # piped: the tables keep their natural width
     out = io.StringIO()
-    render_human(hand_made_report(), Console(file=out, width=100, highlight=False))
+    render_human(hand_made_report(), ToolConsole(file=out, highlight=False))
     text = out.getvalue()
     assert "NVIDIA H200" in text and "4.00 TB/s" in text and "abc123" in text
     assert "linear 4096x14336 K4 mcg" in text

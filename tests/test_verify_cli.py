@@ -1,6 +1,7 @@
 """`exl3tool verify` on the CPU: metrics, the JSON schema, and every way it refuses input before touching a GPU.
 (The runs on real kernels are in tests/gpu/test_verify.py.)"""
 
+import io
 import json
 import math
 import subprocess
@@ -10,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from exl3tool.cli.render.verify import render_json
+from exl3tool.cli.console import PIPED_WIDTH, ToolConsole
+from exl3tool.cli.render.verify import render_human, render_json
 from exl3tool.verify import Comparison, ModuleCheck, Thresholds, VerifyReport, compare
 from helpers import model_dir, outputs_dir, run_cli
 
@@ -49,6 +51,40 @@ def test_json_schema_and_non_finite_numbers_become_null(capsys):
     assert data["schema"] == "exl3tool.verify/1" and data["passed"] is False
     assert data["checks"][0]["vs_reference"] == {"rel_l2": None, "cosine": -1.0, "max_abs": None}
     assert data["thresholds"] == {"max_rel_l2": 0.01, "min_cosine": 0.9999, "max_abs": None}
+
+
+def _wide_report() -> VerifyReport:
+    checks = tuple(
+        ModuleCheck(f"model.layers.12.mlp.experts.{e}.down_proj", "linear", 12, 16, "file", 14336, 4096, 3.5, "3inst",
+                    Comparison(1.2345e-3 * (e + 1), 0.9999876, 6.789e-2), Comparison(2.345e-3, 0.999912, 0.5), True)
+        for e in range(3))
+    return VerifyReport("/some/long/path/to/a/model-exl3", False, "NVIDIA H200", "sm_90a", "bfloat16", 7,
+                        Thresholds(), (12,), checks)
+
+
+def _render(console: ToolConsole) -> str:
+    render_human(_wide_report(), console)
+    return console.file.getvalue()
+
+
+def test_piped_output_cuts_no_cell(monkeypatch):
+    """A pipe or file has no width: Rich would fit the table to 80 columns and cut its cells (`1.23e…`)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = ToolConsole(file=io.StringIO(), highlight=False)
+    assert console.width == PIPED_WIDTH
+    text = _render(console)
+    assert "…" not in text
+    for e in range(3):
+        assert f"mlp.experts.{e}.down_proj" in text and f"{1.2345e-3 * (e + 1):.2e}" in text
+    assert "0.9999876" in text and "2.34e-03 cos 0.999912" in text and text.count("PASS") == 3
+
+
+def test_columns_and_terminals_keep_their_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "70")
+    piped = ToolConsole(file=io.StringIO(), highlight=False)
+    assert piped.width == 70 and max(map(len, _render(piped).splitlines())) <= 70
+    monkeypatch.delenv("COLUMNS")
+    assert ToolConsole(file=io.StringIO(), force_terminal=True).width < PIPED_WIDTH
 
 
 @no_gpu

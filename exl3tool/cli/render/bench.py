@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -16,19 +15,6 @@ STATUS_STYLE = {"wrong": "bold red", "failed": "bold red", "eager-only": "yellow
 
 def _f(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
-
-
-def _print_table(console: Console, table: Table) -> None:
-    """Piped output (80 columns by default) gets the table's natural width instead of wrapped cells."""
-    if console.is_terminal:
-        console.print(table)
-        return
-    width = console.width
-    console.width = max(width, Measurement.get(console, console.options.update_width(1000), table).maximum)
-    try:
-        console.print(table)
-    finally:
-        console.width = width
 
 
 def _implementations(cases: list[Case]) -> list[str]:
@@ -60,7 +46,7 @@ def render_human(report: BenchReport, console: Console) -> None:
                                     first_of_impl=n == 0 or c.results[n - 1].implementation != r.implementation),
                               end_section=n == len(c.results) - 1)
         console.print()
-        _print_table(console, table)
+        console.print(table)
     for note, n in notes.items():
         console.print(safe(f"[{n}] {note}"))
     wrong = report.wrong
@@ -108,7 +94,7 @@ def render_sass_human(report: SassReport, console: Console) -> None:
                       f">= {r.static_smem_bytes / 1024:.1f} KiB" if r.smem_per_cta_bytes is None
                       else f"{r.smem_per_cta_bytes / 1024:.1f} KiB",
                       _f(r.loop_instructions, "d"), _f(r.per_weight, ".2f"), *(_f(by_pipe.get(p), ".2f") for p in pipes))
-    _print_table(console, table)
+    console.print(table)
     console.print(safe("per weight: the static instruction count of the innermost loop holding the MMAs / the weights "
                        "a lane decodes per iteration, split by issue pipe (kernels without MMAs: -). smem >=: static "
                        "only, the launch sizes the dynamic part"))
