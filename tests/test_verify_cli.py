@@ -67,9 +67,13 @@ def _render(console: ToolConsole) -> str:
     return console.file.getvalue()
 
 
-def test_piped_output_cuts_no_cell(monkeypatch):
-    """A pipe or file has no width: Rich would fit the table to 80 columns and cut its cells (`1.23e…`)."""
-    monkeypatch.delenv("COLUMNS", raising=False)
+@pytest.mark.parametrize("columns", [None, "70"])
+def test_piped_output_cuts_no_cell(monkeypatch, columns):
+    """A pipe or file has no width: Rich would fit the table to 80 columns (or COLUMNS) and cut its cells."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)  # describes a terminal; some libraries set it without one
     console = ToolConsole(file=io.StringIO(), highlight=False)
     assert console.width == PIPED_WIDTH
     text = _render(console)
@@ -79,12 +83,10 @@ def test_piped_output_cuts_no_cell(monkeypatch):
     assert "0.9999876" in text and "2.34e-03 cos 0.999912" in text and text.count("PASS") == 3
 
 
-def test_columns_and_terminals_keep_their_width(monkeypatch):
+def test_a_terminal_keeps_its_width(monkeypatch):
     monkeypatch.setenv("COLUMNS", "70")
-    piped = ToolConsole(file=io.StringIO(), highlight=False)
-    assert piped.width == 70 and max(map(len, _render(piped).splitlines())) <= 70
-    monkeypatch.delenv("COLUMNS")
-    assert ToolConsole(file=io.StringIO(), force_terminal=True).width < PIPED_WIDTH
+    terminal = ToolConsole(file=io.StringIO(), force_terminal=True, color_system=None, highlight=False)
+    assert terminal.width == 70 and max(map(len, _render(terminal).splitlines())) <= 70
 
 
 @no_gpu

@@ -7,13 +7,18 @@ PIPED_WIDTH = 1000  # columns when writing to a pipe or file: wide enough that n
 
 
 class ToolConsole(Console):
-    """A terminal's width on a terminal (or COLUMNS where set); PIPED_WIDTH anywhere else. Rich would assume 80
-    columns for a pipe or file and cut the cells that do not fit (`1.64e…`), so a log would lose numbers."""
+    """A terminal's width (or COLUMNS) on a terminal; PIPED_WIDTH anywhere else. Rich would fit a pipe or file to
+    80 columns, or to COLUMNS, and cut the cells that do not fit (`1.64e…`), so a log would lose numbers. COLUMNS
+    describes a terminal, and is not always the user's: in pytest-xdist workers on the GPU machine it read 80."""
+
+    def __init__(self, *args, width: int | None = None, **kwargs):
+        super().__init__(*args, width=width, **kwargs)
+        self._fixed_width = width is not None  # Rich also fixes _width from COLUMNS at construction
 
     @property
     def size(self) -> ConsoleDimensions:
         size = super().size
-        if self._width is None and not self.is_terminal and not self._environ.get("COLUMNS", "").isdigit():
+        if not self._fixed_width and not self.is_terminal:
             return ConsoleDimensions(PIPED_WIDTH, size.height)
         return size
 
