@@ -12,6 +12,7 @@ from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
+from exl3tool.ops import moe as moe_ops
 from exl3tool.ops import moe_kernels
 from exl3tool.ops.moe import gemm_config, x_order
 from exl3tool.ops.runtime import compile_with_ptx
@@ -282,6 +283,21 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
         gemm_config(4.0, "mcg", 2, rows, split_halves=split, ready_signal=True)
     with pytest.raises(ValueError):  # down waits for its counter, not for the kernel before
         gemm_config(4.0, "mcg", 1, rows, split_halves=split, ready_wait=True, weights_before_wait=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("codebook", ["mcg", "3inst"])
+def test_eight_warp_row_blocks_from_sixteen_tokens(arch, codebook):
+    """From moe.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS the 8-row route blocks take 8 warps a CTA (twice its columns; each
+    warp's loop unchanged): gate/up with the fused intermediate and its block-ready signal, down waiting for it,
+    within SM120's shared memory, with the 4-warp kernels' MMAs a warp."""
+    stages = {"stages": 3} if arch == "sm_90a" else {}
+    for planes, fields in ((2, dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(8, True))),
+                           (1, dict(ready_wait=True))):
+        four, eight = (gemm_config(4.0, codebook, planes, 8, split_halves=True, tokens=m, **stages, **fields)
+                       for m in (moe_ops.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS - 1, moe_ops.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS))
+        assert (four.warps, eight.warps) == (4, 8) and eight.smem_bytes <= SMEM_LIMIT_BYTES
+        assert ptx_of(eight, arch).count(MMA) == ptx_of(four, arch).count(MMA)
 
 
 def replace_ready(cfg, on: bool):

@@ -97,6 +97,11 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # Other route blocks take targets.decode_warps: 8 warps for 32-row blocks and 64-row mcg blocks (H200, E=128 top-8
 # 2048x768 K=4 mcg, whole layer, bit-identical: M=192 265.1 -> 258.6 us, M=256 273.0 -> 265.9, M=1024 578.65 ->
 # 556.26).
+# 8-row route blocks take 8-warp CTAs from this many tokens on: twice the columns a CTA, so half the CTAs and half
+# the X stages a weight. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y bit-identical, us
+# (4 -> 8 warps): M=16 106.09 -> 104.76, M=24 120.85 -> 119.36, M=32 129.70 -> 127.68, M=48 145.46 -> 142.49, M=64
+# 158.02 -> 153.99; lost at M=12 89.74 -> 91.49 and M=8 69.87 -> 71.60 (two K splits there). SM120 not measured.
+EIGHT_WARP_ROW_BLOCK_MIN_TOKENS = 16
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
@@ -437,20 +442,22 @@ def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
             split_halves(arch, group.w2_codebook, tg, group.w2_bits))
 
 
-def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False) -> dict:
-    """MoEGemmConfig fields of the route block's GEMM layout beyond its defaults."""
+def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False, tokens: int = 0) -> dict:
+    """MoEGemmConfig fields of the route block's GEMM layout at ``tokens`` beyond its defaults."""
     if wgmma:
         return {**WGMMA_LAYOUT, **WGMMA_BLOCK_LAYOUT.get(block_rows, {})}
+    if block_rows == 8 and tokens >= EIGHT_WARP_ROW_BLOCK_MIN_TOKENS:
+        return dict(warps=8)
     return GEMM_LAYOUT.get(block_rows, dict(warps=decode_warps(codebook, block_rows // 8)))
 
 
-def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma: bool = False,
+def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma: bool = False, tokens: int = 0,
                 **fields) -> MoEGemmConfig:
     fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma))
     fields.setdefault("mbarriers", wgmma and block_rows >= MBARRIER_MIN_ROWS)
     fields.setdefault("skip_padding_tail", SKIP_PADDING_TAIL and wgmma and block_rows > 8 * WGMMA_MAX_GROUPS)
     return fitting_config(MoEGemmConfig, bits=bits, codebook=codebook, planes=planes, token_groups=block_rows // 8,
-                          **gemm_layout(block_rows, codebook, wgmma), **fields)
+                          **gemm_layout(block_rows, codebook, wgmma, tokens), **fields)
 
 
 def sync_stages(arch: str, block_rows: int, wgmma: bool, splits: int) -> dict:
@@ -467,7 +474,7 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     largest = LARGEST_BLOCK_ROWS["wgmma" if has_wgmma(arch) else "sync"]
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts, largest)
     # split-K's estimate: the first group's layout
-    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch))
+    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch), tokens)
     warps = layout.get("warps", MoEGemmConfig.warps)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block
@@ -617,12 +624,12 @@ class MoEPlan:
             early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
             early13 = early_gate_up(tokens, resident, wgmma)
             first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
-            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, split_halves=split13,
+            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
                               **sync_stages(arch, s.block_rows, wgmma, s.splits13),
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
                               next_after_loop=early, group_first=first, weights_before_wait=early13,
                               ready_signal=s.ready_counters)
-            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, split_halves=split2,
+            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
                              **sync_stages(arch, s.block_rows, wgmma, s.splits2),
                              weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
             rot = None if resident else K.compiled(
