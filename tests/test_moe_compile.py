@@ -287,15 +287,18 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("codebook", ["mcg", "3inst"])
-def test_eight_warp_row_blocks_from_sixteen_tokens(arch, codebook):
-    """From moe.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS the 8-row route blocks take 8 warps a CTA (twice its columns; each
-    warp's loop unchanged): gate/up with the fused intermediate and its block-ready signal, down waiting for it,
-    within SM120's shared memory, with the 4-warp kernels' MMAs a warp."""
-    stages = {"stages": 3} if arch == "sm_90a" else {}
-    for planes, fields in ((2, dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(8, True))),
+@pytest.mark.parametrize("rows", moe_ops.EIGHT_WARP_SMALL_BLOCK_ROWS)
+def test_eight_warp_small_blocks_from_fourteen_tokens(arch, codebook, rows):
+    """From moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS the 8- and 16-row route blocks take 8 warps a CTA (twice its
+    columns; each warp's loop unchanged): gate/up with the fused intermediate and its block-ready signal, down
+    waiting for it, within SM120's shared memory, with the 4-warp kernels' MMAs a warp."""
+    split = rows == 8  # one token group splits each weight's halves (targets.SPLIT_HALVES_MAX_TOKEN_GROUPS)
+    stages = {"stages": 3} if arch == "sm_90a" and rows == 8 else {}
+    for planes, fields in ((2, dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(rows, split))),
                            (1, dict(ready_wait=True))):
-        four, eight = (gemm_config(4.0, codebook, planes, 8, split_halves=True, tokens=m, **stages, **fields)
-                       for m in (moe_ops.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS - 1, moe_ops.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS))
+        four, eight = (gemm_config(4.0, codebook, planes, rows, split_halves=split, tokens=m, **stages, **fields)
+                       for m in (moe_ops.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS - 1,
+                                 moe_ops.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS))
         assert (four.warps, eight.warps) == (4, 8) and eight.smem_bytes <= SMEM_LIMIT_BYTES
         assert ptx_of(eight, arch).count(MMA) == ptx_of(four, arch).count(MMA)
 

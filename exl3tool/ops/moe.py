@@ -97,11 +97,14 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # Other route blocks take targets.decode_warps: 8 warps for 32-row blocks and 64-row mcg blocks (H200, E=128 top-8
 # 2048x768 K=4 mcg, whole layer, bit-identical: M=192 265.1 -> 258.6 us, M=256 273.0 -> 265.9, M=1024 578.65 ->
 # 556.26).
-# 8-row route blocks take 8-warp CTAs from this many tokens on: twice the columns a CTA, so half the CTAs and half
-# the X stages a weight. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y bit-identical, us
-# (4 -> 8 warps): M=16 106.09 -> 104.76, M=24 120.85 -> 119.36, M=32 129.70 -> 127.68, M=48 145.46 -> 142.49, M=64
-# 158.02 -> 153.99; lost at M=12 89.74 -> 91.49 and M=8 69.87 -> 71.60 (two K splits there). SM120 not measured.
-EIGHT_WARP_ROW_BLOCK_MIN_TOKENS = 16
+# 8- and 16-row route blocks take 8-warp CTAs from this many tokens on: twice the columns a CTA, so half the CTAs
+# and half the X stages a weight. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y
+# bit-identical, us (4 -> 8 warps): 8 rows M=14 94.40 -> 92.38, M=16 106.09 -> 104.76, M=32 129.70 -> 127.68, M=64
+# 158.02 -> 153.99; 16 rows M=80 198.99 -> 190.91, M=96 200.42 -> 191.68, M=128 203.58 -> 196.16; lost at M=12
+# 89.81 -> 91.55 and M=8 69.87 -> 71.60 (two K splits there); M=13 97.95 -> 97.07, within two processes' spread.
+# SM120 not measured.
+EIGHT_WARP_SMALL_BLOCK_ROWS = (8, 16)
+EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS = 14
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
@@ -446,7 +449,7 @@ def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False, tokens: int
     """MoEGemmConfig fields of the route block's GEMM layout at ``tokens`` beyond its defaults."""
     if wgmma:
         return {**WGMMA_LAYOUT, **WGMMA_BLOCK_LAYOUT.get(block_rows, {})}
-    if block_rows == 8 and tokens >= EIGHT_WARP_ROW_BLOCK_MIN_TOKENS:
+    if block_rows in EIGHT_WARP_SMALL_BLOCK_ROWS and tokens >= EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS:
         return dict(warps=8)
     return GEMM_LAYOUT.get(block_rows, dict(warps=decode_warps(codebook, block_rows // 8)))
 

@@ -358,23 +358,28 @@ def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
         assert launches[0] == launches[1] - len(dmoe.groups) * (not shape.fused_intermediate)
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (16, 64)), ("two-groups-k3-k5", (16,)),
-                                     ("k2-3inst-unnormalised", (16,))])
-def test_eight_warp_row_blocks_change_no_bit(synthetic, name, ms, monkeypatch):
-    """From moe.EIGHT_WARP_ROW_BLOCK_MIN_TOKENS the 8-row route blocks take 8 warps a CTA (twice the columns a CTA;
-    each column's MMAs, the intermediate and the block-ready counters as with 4, at the same K splits): y is
-    bit-identical, eagerly (twice) and in graph replay (K=4 mcg, K=3 3inst and K=5 mcg groups, K=2 3inst)."""
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (14, 64, 96)), ("two-groups-k3-k5", (16, 24)),
+                                     ("k2-3inst-unnormalised", (16, 24))])
+def test_eight_warp_small_blocks_change_no_bit(synthetic, name, ms, monkeypatch):
+    """From moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS the 8- and 16-row route blocks take 8 warps a CTA (twice the
+    columns a CTA; each column's MMAs, the intermediate and the block-ready counters as with 4, at the same K
+    splits): y is bit-identical, eagerly (twice) and in graph replay (K=4 mcg, K=3 3inst and K=5 mcg groups, K=2
+    3inst; 8 rows at the smaller M, 16 at the larger)."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    rows = []
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs, splits = [], []
         for eight in (True, False):
-            y, made, plan = layer_with(monkeypatch, dmoe, x, {"EIGHT_WARP_ROW_BLOCK_MIN_TOKENS": m + (not eight)})
+            settings = {"EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS": m + (not eight)}
+            y, made, plan = layer_with(monkeypatch, dmoe, x, settings)
             shape = plan.step(m, False).shape
-            assert shape.block_rows == 8 and {c.warps for c in made} == {8 if eight else 4}, (name, m)
+            assert {c.warps for c in made} == {8 if eight else 4}, (name, m)
             outs.append(y)
             splits.append((shape.splits13, shape.splits2))
+        rows.append(shape.block_rows)
         assert splits[0] == splits[1] and torch.equal(outs[0], outs[1]), (name, m)
+    assert rows[0] == 8 and rows[-1] == 16, (name, rows)
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
