@@ -108,7 +108,8 @@ EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS = 14
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
-# -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777).
+# -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777)
+# nor 16 at 8 warps (M=80 190.70 -> 192.35, M=96 192.15 -> 194.07: its down GEMM takes 64 registers, not 42).
 FRAGMENT_ORDER_ROWS = (32, 64)
 # Where the GPU has warpgroup MMAs (sm_90a), route blocks from this many rows multiply with them (the dense GEMM's
 # layout, targets.WGMMA_LAYOUT: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is
