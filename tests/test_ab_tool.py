@@ -90,3 +90,74 @@ def test_without_a_gpu_it_is_a_usage_error(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         ab.main(["--variant", "a", "--variant", "a", "dense:256x256:1"])
     assert exit_.value.code == 2 and "must differ" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--variant", "a", "--cases-for", "b=moe:1", "moe:1"])
+    assert exit_.value.code == 2 and "NAME one of the variants" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU check: the lines file's folder
+    with pytest.raises(SystemExit) as exit_:
+        ab.main(["--variant", "a", "--lines-out", "/nonexistent/folder/lines.txt", "moe:1"])
+    assert exit_.value.code == 2
+    assert "--lines-out /nonexistent/folder/lines.txt: No such file" in capsys.readouterr().err
+
+
+class FakeWorkers:
+    """subprocess.run for run_workers: each call takes ``seconds`` of a fake clock and prints one result line of
+    its variant (the command's ``--variant`` text), or fails where ``fails`` names that variant."""
+
+    def __init__(self, seconds: float, fails: str = ""):
+        self.now, self.seconds, self.fails, self.calls = 0.0, seconds, fails, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, cmd, capture_output, text):
+        import subprocess
+
+        assert capture_output and text
+        self.now += self.seconds
+        name = cmd[cmd.index("--variant") + 1].partition(":")[0]
+        cases = cmd[cmd.index("--replays") + 2:]
+        self.calls.append((name, cases))
+        out = "".join(f"{ab.RESULT} {name} {case} {10 + len(self.calls)}.0 aaaa launches=5\n" for case in cases)
+        return subprocess.CompletedProcess(cmd, 3 if name == self.fails else 0, out, "boom")
+
+
+def commands(cases_for: dict[str, list[str]]):
+    return [(name, ["python", "-m", "exl3tool.bench.ab", "--worker", "--variant", f"{name}:x.y=1", "--replays",
+                    "10", *cases]) for name, cases in cases_for.items()]
+
+
+def test_workers_take_turns_and_keep_their_lines_as_they_end(tmp_path):
+    fake = FakeWorkers(seconds=10)
+    cases = ab.variant_cases(["new=moe:96"], [ab.Variant("base", ()), ab.Variant("new", ())], ["moe:16", "moe:96"])
+    assert cases == {"base": ["moe:16", "moe:96"], "new": ["moe:96"]}
+    out = tmp_path / "lines.txt"
+    with open(out, "a") as lines_out:
+        ran = ab.run_workers(commands(cases), 2, lines_out=lines_out, run=fake.run, clock=fake.clock)
+    assert [name for name, _ in fake.calls] == ["base", "new", "base", "new"]
+    assert fake.calls[1] == ("new", ["moe:96"])
+    assert (ran.stopped, ran.failed) == (None, False) and len(ran.lines) == 6
+    assert out.read_text().splitlines() == ran.lines
+    table = ab.summarize(ran.lines).splitlines()
+    assert next(r for r in table if r.startswith("moe:16")).split()[1:] == ["12.00", "-", "same"]
+
+
+def test_a_budget_stops_new_workers_and_a_failure_stops_the_run():
+    fake = FakeWorkers(seconds=10)
+    ran = ab.run_workers(commands({"base": ["moe:1"], "new": ["moe:1"]}), 3, budget_s=25, run=fake.run,
+                         clock=fake.clock)
+    assert [name for name, _ in fake.calls] == ["base", "new", "base"]  # the fourth would start at 30 s
+    assert not ran.failed and "budget of 25 s" in ran.stopped and "round 2 of 3" in ran.stopped
+    assert len(ran.lines) == 3
+    fake = FakeWorkers(seconds=1, fails="new")
+    ran = ab.run_workers(commands({"base": ["moe:1"], "new": ["moe:1"]}), 3, run=fake.run, clock=fake.clock)
+    assert ran.failed and "variant new: worker failed (exit 3)" in ran.stopped and "boom" in ran.stopped
+    assert [name for name, _ in fake.calls] == ["base", "new"] and len(ran.lines) == 2
+
+
+def test_cases_for_names_a_variant_and_cases_of_the_run():
+    variants = [ab.Variant("base", ()), ab.Variant("new", ())]
+    for bad, why in [("old=moe:1", "one of the variants"), ("new", "NAME=CASE"), ("new=", "NAME=CASE"),
+                     ("new=moe:2", "moe:2 not among the CASEs")]:
+        with pytest.raises(ValueError, match=why):
+            ab.variant_cases([bad], variants, ["moe:1"])

@@ -1,14 +1,16 @@
 """A/B of tuning constants: each variant in its own processes, taking turns, y digests compared.
 
-    python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile]
-                                --variant NAME[:MODULE.ATTR=VALUE;...] ... CASE ...
+    python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile] [--budget-s S] [--lines-out FILE]
+                                --variant NAME[:MODULE.ATTR=VALUE;...] ... [--cases-for NAME=CASE,...] CASE ...
 
 A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g.
 ``--variant base --variant fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16``. A case is ``dense:INxOUT:M[:BITS[:CB]]``
 (a random linear, K=4 mcg by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as
 one CUDA graph over enough L2-cold weight copies and prints its median and a digest of y; the report gives each
 case's median over the processes of a variant, their spread (max - min) and where variants' y differ; ``--profile``
-adds each kernel's GPU time a call.
+adds each kernel's GPU time a call. ``--cases-for`` gives a variant fewer cases than the others (where its override
+matters); ``--budget-s`` starts no worker past that many seconds and reports the rounds that ran, and ``--lines-out``
+keeps every worker's lines as they come, so that a machine's time limit leaves the measurements taken so far.
 
 Why processes, in turns: two processes of one variant differ by up to ~1 us at M=1 while one process's replays agree
 within 0.1 (docs/perf.md, Method), and two compiled copies of one kernel config in one process are unsafe.
@@ -26,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 RESULT = "AB-RESULT"
@@ -279,13 +282,65 @@ def _moe_folder() -> str:
     return folder
 
 
+@dataclass
+class Run:
+    lines: list[str]  # the workers' output lines
+    stopped: str | None = None  # why it ended before its last round, if it did
+    failed: bool = False  # a worker failed (the budget running out is not a failure)
+
+
+def run_workers(commands: list[tuple[str, list[str]]], rounds: int, budget_s: float | None = None,
+                lines_out=None, run=subprocess.run, clock=time.monotonic) -> Run:
+    """Run each ``(variant name, worker command)`` once per round, variants in turns. No worker starts once
+    ``budget_s`` seconds have passed; a failed worker stops the run. Progress goes to stderr; ``lines_out`` (a text
+    file) gets each worker's lines as it ends."""
+    start, lines = clock(), []
+    for r in range(1, rounds + 1):
+        for name, cmd in commands:
+            if budget_s is not None and clock() - start >= budget_s:
+                return Run(lines, f"budget of {budget_s:g} s spent after {clock() - start:.0f} s (round {r} of "
+                                  f"{rounds} not finished)")
+            began = clock()
+            done = run(cmd, capture_output=True, text=True)
+            out = done.stdout.splitlines()
+            lines += out
+            if lines_out is not None:
+                lines_out.write("".join(f"{line}\n" for line in out))
+                lines_out.flush()
+            print(f"round {r}/{rounds} {name}: {clock() - began:.1f} s, {clock() - start:.0f} s in all",
+                  file=sys.stderr, flush=True)
+            if done.returncode:
+                why = f"variant {name}: worker failed (exit {done.returncode})\n{done.stderr[-2000:]}"
+                return Run(lines, why, failed=True)
+    return Run(lines)
+
+
+def variant_cases(texts: list[str], variants: list[Variant], cases: list[str]) -> dict[str, list[str]]:
+    """``--cases-for NAME=CASE,...``: each named variant's cases (from the run's CASE list); the rest take all."""
+    chosen = {v.name: list(cases) for v in variants}
+    for text in texts:
+        name, eq, listed = text.partition("=")
+        subset = [c.strip() for c in listed.split(",") if c.strip()]
+        if not eq or name not in chosen or not subset:
+            raise ValueError(f"--cases-for {text!r}: NAME=CASE[,CASE...] with NAME one of the variants")
+        unknown = [c for c in subset if c not in cases]
+        if unknown:
+            raise ValueError(f"--cases-for {name}: {', '.join(unknown)} not among the CASEs")
+        chosen[name] = subset
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m exl3tool.bench.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", metavar="CASE")
     p.add_argument("--variant", action="append", required=True, metavar="NAME[:MODULE.ATTR=VALUE;...]")
+    p.add_argument("--cases-for", action="append", default=[], metavar="NAME=CASE,...",
+                   help="run variant NAME on these of the CASEs only")
     p.add_argument("--rounds", type=int, default=3, help="processes per variant, taken in turns")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="also each kernel's GPU time a call (torch.profiler)")
+    p.add_argument("--budget-s", type=float, help="start no worker after this many seconds; report what ran")
+    p.add_argument("--lines-out", metavar="FILE", help="append every worker's output lines here as it ends")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--moe-folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -294,35 +349,38 @@ def main(argv: list[str] | None = None) -> int:
         parsed = [parse_case(c) for c in args.cases]
         for v in variants:
             apply(v, dry_run=True)
+        if len({v.name for v in variants}) != len(variants):
+            raise ValueError("variant names must differ")
+        cases_for = variant_cases(args.cases_for, variants, args.cases)
     except ValueError as error:
         p.error(str(error))
     if args.worker:
         worker(variants[0], list(zip(args.cases, parsed)), args.replays, args.moe_folder, args.profile)
         return 0
-    if len({v.name for v in variants}) != len(variants):
-        p.error("variant names must differ")
     import torch
 
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (none is visible to torch)")
-    folder = _moe_folder() if any(c.kind == "moe" for c in parsed) else None
-    lines = []
     try:
-        for _ in range(args.rounds):
-            for text in args.variant:
-                cmd = [sys.executable, "-m", "exl3tool.bench.ab", "--worker", "--variant", text,
-                       "--replays", str(args.replays), *(["--profile"] if args.profile else []),
-                       *(["--moe-folder", folder] if folder else []), *args.cases]
-                run = subprocess.run(cmd, capture_output=True, text=True)
-                if run.returncode:
-                    print(f"variant {text}: worker failed\n{run.stderr[-2000:]}", file=sys.stderr)
-                    return 1
-                lines += run.stdout.splitlines()
+        lines_out = open(args.lines_out, "a") if args.lines_out else None
+    except OSError as error:
+        p.error(f"--lines-out {args.lines_out}: {error.strerror}")
+    folder = _moe_folder() if any(c.kind == "moe" for c in parsed) else None
+    commands = [(v.name, [sys.executable, "-m", "exl3tool.bench.ab", "--worker", "--variant", text,
+                          "--replays", str(args.replays), *(["--profile"] if args.profile else []),
+                          *(["--moe-folder", folder] if folder else []), *cases_for[v.name]])
+                for v, text in zip(variants, args.variant)]
+    try:
+        ran = run_workers(commands, args.rounds, args.budget_s, lines_out)
     finally:
+        if lines_out is not None:
+            lines_out.close()
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
-    print(summarize(lines))
-    return 0
+    print(summarize(ran.lines))
+    if ran.stopped:
+        print(ran.stopped, file=sys.stderr)
+    return 1 if ran.failed else 0
 
 
 if __name__ == "__main__":
