@@ -113,10 +113,14 @@ class MoEGemmConfig:
     # ``counter``: ``[blocks * I_p/128 + blocks]``.
     ready_signal: bool = False
     ready_wait: bool = False
+    # > 0: launch bounds asking ptxas for this many CTAs an SM (registers at most 64K / (this x threads)); 0: none.
+    min_ctas_per_sm: int = 0
 
     def __post_init__(self):
         if self.planes not in (1, 2):
             raise ValueError("planes must be 1 (w2) or 2 (w13)")
+        if self.min_ctas_per_sm < 0:
+            raise ValueError("min_ctas_per_sm is a CTA count (0: no launch bounds)")
         if self.intermediate_splits and (self.planes != 2 or self.warp_cols != 1 or self.warps > 8
                                          or self.tokens_per_cta % self.warps):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
@@ -221,7 +225,14 @@ class MoEGemm(DecodeGemmKernel):
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch())
+            grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
+            **self.occupancy_bounds())
+
+    def occupancy_bounds(self) -> dict:
+        """launch()'s launch bounds for ``min_ctas_per_sm``; the carveout given, or the DSL would ask a GPU for the
+        SM's shared memory while it compiles (so it compiles on the CPU too)."""
+        n = self.cfg.min_ctas_per_sm
+        return dict(min_blocks_per_mp=n, preferred_smem_carveout=100) if n else {}
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,

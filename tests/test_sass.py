@@ -200,6 +200,29 @@ def test_eight_warp_decode_fits_sixteen_warps_per_sm(arch):
             assert k.registers <= 128 and k.spill_instructions == 0, (codebook, bits, k.registers)
 
 
+def test_launch_bounds_trade_registers_for_ctas_an_sm(monkeypatch):
+    """moe.MIN_CTAS_PER_SM -> MoEGemmConfig.min_ctas_per_sm: launch bounds that make ptxas fit that many CTAs an SM.
+    The 32-row gate/up GEMM with the fused intermediate takes more than 64 registers on sm_90a (3 CTAs of 8 warps);
+    bounded to 4 CTAs it takes at most 64, with the same MMAs. Down, not named, gets no bounds."""
+    from exl3tool.ops import moe
+    from exl3tool.kernels.moe_gemm import MoEGemmConfig
+
+    def gate_up():
+        return moe.gemm_config(4.0, "mcg", 2, 32, tokens=256, intermediate_splits=1, ready_signal=True,
+                               x2_order=moe.x_order(32))
+
+    free = gate_up()
+    monkeypatch.setattr(moe, "MIN_CTAS_PER_SM", {(32, 2): 4})
+    bounded = gate_up()
+    assert (free.min_ctas_per_sm, bounded.min_ctas_per_sm) == (0, 4)
+    assert moe.gemm_config(4.0, "mcg", 1, 32, tokens=256, ready_wait=True).min_ctas_per_sm == 0
+    free_k, bounded_k = sass.gemm_report(free, "sm_90a"), sass.gemm_report(bounded, "sm_90a")
+    assert free_k.registers > 64 >= bounded_k.registers, (free_k.registers, bounded_k.registers)
+    assert bounded_k.main_loop.mmas == free_k.main_loop.mmas
+    with pytest.raises(ValueError, match="min_ctas_per_sm"):
+        MoEGemmConfig(4.0, "mcg", 2, min_ctas_per_sm=-1)
+
+
 def test_missing_nvdisasm_names_the_extra(monkeypatch):
     import nvidia
 

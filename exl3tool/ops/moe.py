@@ -155,6 +155,12 @@ FUSED_INTERMEDIATE_WAVES = 1.25
 # 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128 208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93).
 # SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured). docs/perf.md, twenty-second session.
 UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
+# Launch bounds of the mma.sync route blocks' GEMMs, by (block rows, planes): CTAs an SM that ptxas must fit
+# (MoEGemmConfig.min_ctas_per_sm); none given by default. Why it is a candidate: the 32-row gate/up GEMM with the
+# fused intermediate takes 80 registers on sm_90a, so 3 CTAs of 8 warps an SM; {(32, 2): 4} compiles it to 64
+# registers and 4 CTAs, with 14 spill instructions and 6.54 SASS a weight instead of 6.25 (sm_120a fits 4 already, at
+# 58). Not measured on a GPU yet (docs/perf.md, thirty-eighth session, Next).
+MIN_CTAS_PER_SM: dict[tuple[int, int], int] = {}
 # Where the gate/up GEMM does the intermediate, each of its CTAs lets the down GEMM launch once its partials are
 # written (MoEGemmConfig.next_after_loop), and the down GEMM's CTAs read their block's expert and issue their first
 # weight stage before their PDL wait (weights_before_wait): the weights come from HBM during gate/up's fused tail.
@@ -460,6 +466,7 @@ def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma:
     fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma))
     fields.setdefault("mbarriers", wgmma and block_rows >= MBARRIER_MIN_ROWS)
     fields.setdefault("skip_padding_tail", SKIP_PADDING_TAIL and wgmma and block_rows > 8 * WGMMA_MAX_GROUPS)
+    fields.setdefault("min_ctas_per_sm", 0 if wgmma else MIN_CTAS_PER_SM.get((block_rows, planes), 0))
     return fitting_config(MoEGemmConfig, bits=bits, codebook=codebook, planes=planes, token_groups=block_rows // 8,
                           **gemm_layout(block_rows, codebook, wgmma, tokens), **fields)
 

@@ -382,6 +382,24 @@ def test_eight_warp_small_blocks_change_no_bit(synthetic, name, ms, monkeypatch)
     assert rows[0] == 8 and rows[-1] == 16, (name, rows)
 
 
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 256), ("qwen3-30b-shape-k4-mcg", 96),
+                                    ("k2-3inst-unnormalised", 16)])
+def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
+    """moe.MIN_CTAS_PER_SM: launch bounds on the mma.sync route blocks' GEMMs change their registers (and may
+    spill), not their arithmetic: y is bit-identical, eagerly (twice) and in graph replay (32-row gate/up at 4 CTAs
+    an SM, 16-row both GEMMs at 6, 8-row K=2 3inst at 6)."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    rows = plan_moe(dmoe, m).step(m, False).shape.block_rows
+    bounds = {32: {(32, 2): 4}, 16: {(16, 2): 6, (16, 1): 6}, 8: {(8, 2): 6, (8, 1): 6}}[rows]
+    outs = []
+    for on in (True, False):
+        y, made, _ = layer_with(monkeypatch, dmoe, x, {"MIN_CTAS_PER_SM": bounds if on else {}})
+        assert [c.min_ctas_per_sm for c in made] == [bounds.get((rows, c.planes), 0) if on else 0 for c in made]
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), (name, m)
+
+
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
                                      ("two-groups-k3-k5", (2,))])
 def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, name, ms, monkeypatch):
