@@ -229,8 +229,9 @@ class MoEGemm(DecodeGemmKernel):
             **self.occupancy_bounds())
 
     def occupancy_bounds(self) -> dict:
-        """launch()'s launch bounds for ``min_ctas_per_sm``; the carveout given, or the DSL would ask a GPU for the
-        SM's shared memory while it compiles (so it compiles on the CPU too)."""
+        """launch()'s launch bounds for ``min_ctas_per_sm``, with the shared-memory carveout at its most (100%,
+        so less L1): without a carveout the DSL asks a GPU for the SM's shared memory while it compiles, and the
+        compile-only tests have none."""
         n = self.cfg.min_ctas_per_sm
         return dict(min_blocks_per_mp=n, preferred_smem_carveout=100) if n else {}
 
