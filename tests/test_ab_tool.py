@@ -80,6 +80,28 @@ def test_profiled_kernels_are_reported_per_case_and_variant():
     assert rows[gemm].split()[1:] == ["25.60", "25.00"] and rows[route].split()[1:] == ["6.20", "5.10"]
 
 
+def test_the_timeline_is_the_middle_replays_calls_from_their_first_kernel():
+    # 3 replays x 2 calls x 3 kernels (ts, dur, name); replay 1's calls start at 100 and 130 (then 40 and 50 later)
+    def call(t0, jitter):
+        return [(t0, 5.0 + jitter, "route"), (t0 + 1.0, 20.0, "kernel_exl3toolkernelsmoe_gemmMoEGemm_object_at_1"),
+                (t0 + 18.0 + jitter, 6.0, "route")]
+    events = call(0.0, 0.0) + call(30.0, 0.0) + call(100.0, 1.0) + call(130.0, 3.0) + call(200.0, 9.0)
+    events += call(230.0, 9.0)
+    spans = ab.layer_timeline(events[::-1], replays=3, calls=2)  # any event order
+    assert spans == [("route", 0.0, 7.0), ("moe_gemmMoEGemm", 1.0, 21.0), ("route", 20.0, 26.0)]
+    assert ab.layer_timeline(events[:-1], replays=3, calls=2) == []  # not whole calls: nothing
+    lines = [f"{ab.RESULT} base moe:16 104.3 aaaa launches=5", f"{ab.RESULT} new moe:16 103.0 aaaa launches=5"]
+    lines += [f"{ab.TIMELINE} {v} moe:16 {i} {s} {e} {n}" for v, i, s, e, n in [
+        ("base", 0, 0.0, 7.6, "moe_routeMoERoute"), ("base", 1, 8.1, 78.0, "moe_gemmMoEGemm"),
+        ("base", 0, 0.0, 7.8, "moe_routeMoERoute"), ("base", 1, 8.3, 78.4, "moe_gemmMoEGemm"),
+        ("new", 0, 0.0, 6.0, "moe_routeMoERoute"), ("new", 1, 6.5, 77.0, "moe_gemmMoEGemm")]]
+    rows = ab.summarize(lines).splitlines()
+    route = next(r for r in rows if "0 moe_routeMoERoute" in r)
+    gemm = next(r for r in rows if "1 moe_gemmMoEGemm" in r)
+    assert route.split()[2:] == ["0.0-7.7", "0.0-6.0"] and gemm.split()[2:] == ["8.2-78.2", "6.5-77.0"]
+    assert rows.index(route) < rows.index(gemm)  # in launch order
+
+
 def test_without_a_gpu_it_is_a_usage_error(monkeypatch, capsys):
     import torch
 

@@ -1,6 +1,6 @@
 """A/B of tuning constants: each variant in its own processes, taking turns, y digests compared.
 
-    python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile] [--budget-s S] [--lines-out FILE]
+    python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile] [--timeline] [--budget-s S] [--lines-out FILE]
                                 --variant NAME[:MODULE.ATTR=VALUE;...] ... [--cases-for NAME=CASE,...] CASE ...
 
 A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g.
@@ -8,7 +8,9 @@ A variant sets module attributes (``VALUE`` a Python literal) before anything ru
 (a random linear, K=4 mcg by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as
 one CUDA graph over enough L2-cold weight copies and prints its median and a digest of y; the report gives each
 case's median over the processes of a variant, their spread (max - min) and where variants' y differ; ``--profile``
-adds each kernel's GPU time a call. ``--cases-for`` gives a variant fewer cases than the others (where its override
+adds each kernel's GPU time a call, ``--timeline`` each kernel's start and end in a call (us from its first kernel's
+start: with PDL a kernel starts before the one it waits for ends, so its time alone says little about the call's
+critical path). ``--cases-for`` gives a variant fewer cases than the others (where its override
 matters); ``--budget-s`` starts no worker past that many seconds and reports the rounds that ran, and ``--lines-out``
 keeps every worker's lines as they come, so that a machine's time limit leaves the measurements taken so far.
 
@@ -33,7 +35,9 @@ from dataclasses import dataclass
 
 RESULT = "AB-RESULT"
 KERNEL = "AB-KERNEL"
+TIMELINE = "AB-TIMELINE"
 PROFILE_REPLAYS = 5
+TIMELINE_REPLAYS = 3  # the middle one is reported: no first-replay or last-replay edges
 MOE_SHAPE = (128, 8, 2048, 768)  # the moe:M case: experts, top-k, hidden, intermediate (Qwen3-30B-A3B)
 MOE_COPIES = 10  # layer copies of the MoE case: 10 x 302 MB, past 3x any current L2
 
@@ -105,10 +109,16 @@ def summarize(lines: list[str]) -> str:
     digests: dict[tuple[str, str], set[str]] = {}
     plans: dict[tuple[str, str], str] = {}
     kernels: dict[str, dict[str, dict[str, list[float]]]] = {}  # case -> kernel -> variant -> us per process
+    # case -> kernel index -> (its name in the first variant seen, variant -> (start, end) per process)
+    spans: dict[str, dict[int, tuple[str, dict[str, list[tuple[float, float]]]]]] = {}
     for line in lines:
         if line.startswith(KERNEL):
             _, variant, case, us, name = line.split()
             kernels.setdefault(case, {}).setdefault(name, {}).setdefault(variant, []).append(float(us))
+        if line.startswith(TIMELINE):
+            _, variant, case, index, start, end, name = line.split()
+            _, per_variant = spans.setdefault(case, {}).setdefault(int(index), (name, {}))
+            per_variant.setdefault(variant, []).append((float(start), float(end)))
         if not line.startswith(RESULT):
             continue
         _, variant, case, us, digest, *plan = line.split()
@@ -118,6 +128,7 @@ def summarize(lines: list[str]) -> str:
     cases = list(dict.fromkeys(c for c, _ in times))
     variants = list(dict.fromkeys(v for _, v in times))
     names = [n for c in cases for n in kernels.get(c, {})]
+    names += [f"{i} {name}" for c in cases for i, (name, _) in spans.get(c, {}).items()]
     width = max([len(c) for c in cases] + [len(n) + 2 for n in names] + [4]) + 2
 
     def row(label: str, per_variant: dict[str, list[float]], stat) -> str:
@@ -138,6 +149,11 @@ def summarize(lines: list[str]) -> str:
         out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
         for name, us in sorted(kernels.get(c, {}).items(), key=lambda kv: -max(map(max, kv[1].values()))):
             out.append(row(f"  {name}", us, statistics.median))
+        for index, (name, per_variant) in sorted(spans.get(c, {}).items()):
+            cells = [f"{statistics.median(s for s, _ in per_variant[v]):.1f}-"
+                     f"{statistics.median(e for _, e in per_variant[v]):.1f}" if v in per_variant else "-"
+                     for v in variants]
+            out.append(f"  {index} {name}".ljust(width) + "".join(cell.rjust(12) for cell in cells))
     return "\n".join(out)
 
 
@@ -156,10 +172,25 @@ def kernel_name(name: str) -> str:
     return re.sub(r"\s+", "_", ours.group(1) if ours else name.split("(")[0])[:60]
 
 
-def _measure(step, calls: int, replays: int, profile: bool) -> tuple[float, dict[str, float]]:
+def layer_timeline(events: list[tuple[float, float, str]], replays: int, calls: int) -> list[tuple[str, float, float]]:
+    """(name, start, end) of each kernel of a call, in launch order, from the GPU kernels ``(ts, dur, name)`` (us)
+    of ``replays`` graph replays of ``calls`` calls each: us from the call's first kernel's start, the median over
+    the calls of the middle replay. Empty when the kernels do not split evenly into calls."""
+    events = sorted(events)
+    if not events or len(events) % (replays * calls):
+        return []
+    per = len(events) // (replays * calls)
+    first = replays // 2 * calls * per
+    by_call = [events[first + c * per: first + (c + 1) * per] for c in range(calls)]
+    return [(kernel_name(by_call[0][k][2]),
+             statistics.median(call[k][0] - call[0][0] for call in by_call),
+             statistics.median(call[k][0] + call[k][1] - call[0][0] for call in by_call)) for k in range(per)]
+
+
+def _measure(step, calls: int, replays: int, profile: bool, timeline: bool = False):
     """Median us a call over ``replays`` graph replays of ``step`` (``calls`` calls); with ``profile`` also each
     kernel's GPU time a call (torch.profiler over PROFILE_REPLAYS replays; a kernel launched early by PDL counts its
-    wait)."""
+    wait), with ``timeline`` each kernel's (name, start, end) in a call (``layer_timeline``)."""
     import torch
 
     from exl3tool.bench import timing
@@ -168,6 +199,24 @@ def _measure(step, calls: int, replays: int, profile: bool) -> tuple[float, dict
     timing.warm_up(graph.replay)
     (t,) = timing.time_interleaved([(graph.replay, calls)], replays)
     kernels: dict[str, float] = {}
+    spans: list[tuple[str, float, float]] = []
+    if timeline:
+        import json
+        import tempfile
+
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(TIMELINE_REPLAYS):
+                graph.replay()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as folder:
+            prof.export_chrome_trace(f"{folder}/trace.json")
+            with open(f"{folder}/trace.json") as f:
+                trace = json.load(f)
+        events = [(e["ts"], e["dur"], e["name"]) for e in trace["traceEvents"] if e.get("cat") == "kernel"]
+        spans = layer_timeline(events, TIMELINE_REPLAYS, calls)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -181,7 +230,7 @@ def _measure(step, calls: int, replays: int, profile: bool) -> tuple[float, dict
                 us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
                 name = kernel_name(e.name)
                 kernels[name] = kernels.get(name, 0.0) + us / (PROFILE_REPLAYS * calls)
-    return t.median_us, kernels
+    return t.median_us, kernels, spans
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,14 +311,16 @@ def _moe(case: Case, folder: str):
 
 
 def worker(variant: Variant, cases: list[tuple[str, Case]], replays: int, moe_folder: str | None,
-           profile: bool) -> None:
+           profile: bool, timeline: bool = False) -> None:
     apply(variant)
     for text, case in cases:
         digest, step, calls, info = _dense(case) if case.kind == "dense" else _moe(case, moe_folder)
-        us, kernels = _measure(step, calls, replays, profile)
+        us, kernels, spans = _measure(step, calls, replays, profile, timeline)
         print(f"{RESULT} {variant.name} {text} {us:.3f} {digest} {info}", flush=True)
         for name, kernel_us in kernels.items():
             print(f"{KERNEL} {variant.name} {text} {kernel_us:.3f} {name}", flush=True)
+        for index, (name, start, end) in enumerate(spans):
+            print(f"{TIMELINE} {variant.name} {text} {index} {start:.3f} {end:.3f} {name}", flush=True)
 
 
 def _moe_folder() -> str:
@@ -339,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="processes per variant, taken in turns")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="also each kernel's GPU time a call (torch.profiler)")
+    p.add_argument("--timeline", action="store_true", help="also each kernel's start and end in a call")
     p.add_argument("--budget-s", type=float, help="start no worker after this many seconds; report what ran")
     p.add_argument("--lines-out", metavar="FILE", help="append every worker's output lines here as it ends")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -355,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         p.error(str(error))
     if args.worker:
-        worker(variants[0], list(zip(args.cases, parsed)), args.replays, args.moe_folder, args.profile)
+        worker(variants[0], list(zip(args.cases, parsed)), args.replays, args.moe_folder, args.profile,
+               args.timeline)
         return 0
     import torch
 
@@ -368,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = _moe_folder() if any(c.kind == "moe" for c in parsed) else None
     commands = [(v.name, [sys.executable, "-m", "exl3tool.bench.ab", "--worker", "--variant", text,
                           "--replays", str(args.replays), *(["--profile"] if args.profile else []),
+                          *(["--timeline"] if args.timeline else []),
                           *(["--moe-folder", folder] if folder else []), *cases_for[v.name]])
                 for v, text in zip(variants, args.variant)]
     try:
