@@ -156,10 +156,11 @@ FUSED_INTERMEDIATE_WAVES = 1.25
 # SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured). docs/perf.md, twenty-second session.
 UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
 # Launch bounds of the mma.sync route blocks' GEMMs, by (block rows, planes): CTAs an SM that ptxas must fit
-# (MoEGemmConfig.min_ctas_per_sm); none given by default. Why it is a candidate: the 32-row gate/up GEMM with the
-# fused intermediate takes 80 registers on sm_90a, so 3 CTAs of 8 warps an SM; {(32, 2): 4} compiles it to 64
-# registers and 4 CTAs, with 14 spill instructions and 6.54 SASS a weight instead of 6.25 (sm_120a fits 4 already, at
-# 58). Not measured on a GPU yet (docs/perf.md, thirty-eighth session, Next).
+# (MoEGemmConfig.min_ctas_per_sm); none. The 32-row gate/up GEMM's fused intermediate takes it to 80 registers on
+# sm_90a (3 CTAs of 8 warps an SM); {(32, 2): 4} compiles it to 64 (13 spills in the tail, a 4.6% longer main
+# loop). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y bit-identical, us: {(32, 2): 4} M=192
+# 234.53 -> 240.63, M=256 239.89 -> 248.95; 6 for 16-row M=96 192.78 -> 202.16, M=128 196.58 -> 205.29; 5 for 16-row
+# and 6 for 8-row M=16 104.31 -> 130.60 (docs/perf.md, thirty-ninth session). SM120 not measured.
 MIN_CTAS_PER_SM: dict[tuple[int, int], int] = {}
 # Where the gate/up GEMM does the intermediate, each of its CTAs lets the down GEMM launch once its partials are
 # written (MoEGemmConfig.next_after_loop), and the down GEMM's CTAs read their block's expert and issue their first
