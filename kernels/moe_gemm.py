@@ -135,11 +135,10 @@ class MoEGemmConfig:
             raise ValueError("group_first is an expert id, or -1 for the group_row table")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
-        if self.ready_signal and (not self.intermediate_splits or self.next_after_loop or self.input is not None):
+        if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
-        if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.topk_sum is not None
-                                or self.weights_before_wait):
-            raise ValueError("ready_wait is for the mma.sync down GEMM without a fused top-k sum")
+        if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
+            raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
         self.mainloop  # validates the rest, including the shared-memory limit
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
         if self.skip_padding_tail and (self.mma != "wgmma" or self.token_groups <= WGMMA_MAX_GROUPS or self.input):
@@ -204,12 +203,14 @@ class MoEGemm(DecodeGemmKernel):
         mSvhRow,
         mWeights,
         mY,
+        mSumCounter,
         stream: cuda.CUstream,
     ):
         """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
         rotates its own input (then mX is x itself ``[1, hidden]``); mSvh .. mY: None without the fused top-k sum
         (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None. The counter of
-        the fused tail: one per (route block, 128 columns) for the intermediate, one per 128 columns for the sum."""
+        the fused tail: one per (route block, 128 columns) for the intermediate, one per 128 columns for the sum;
+        mSumCounter: the sum's where mCounter holds the blocks' ready counters (``ready_wait``), else None."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
         if cutlass.const_expr(mCounter is None):
@@ -222,9 +223,11 @@ class MoEGemm(DecodeGemmKernel):
             mIds, mRouteRow = mBlockExpert, mBlockExpert  # never touched
         if cutlass.const_expr(mSvh is None):
             mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
+        if cutlass.const_expr(mSumCounter is None):
+            mSumCounter = mCounter  # the sum's counters, if any, are mCounter's
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
-                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY).launch(
+                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY, mSumCounter).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
             **self.occupancy_bounds())
 
@@ -240,7 +243,7 @@ class MoEGemm(DecodeGemmKernel):
                mGroupRow: cute.Tensor, k_tiles_per_split: Int32, mRot: cute.Tensor, mX2: cute.Tensor,
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
-               mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor):
+               mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor, mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         if cutlass.const_expr(cfg.ready_signal):
             ptx.launch_dependents()  # the down GEMM waits for its blocks' ready counters, not for this grid
@@ -350,7 +353,7 @@ class MoEGemm(DecodeGemmKernel):
 
             if cutlass.const_expr(cfg.topk_sum is not None):
                 block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
-                counter = mCounter.iterator.toint() + Int64(block) * 4
+                counter = mSumCounter.iterator.toint() + Int64(block) * 4
                 ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
                              0, tid)
                 if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)

@@ -285,6 +285,27 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
         gemm_config(4.0, "mcg", 1, rows, split_halves=split, ready_wait=True, weights_before_wait=True)
 
 
+def test_block_ready_counters_with_the_one_token_gemms():
+    """At M = 1 (if moe.READY_COUNTERS_MIN_TOKENS allows) the counters join the gate/up GEMM that rotates its own
+    input and the down GEMM that does the top-k sum: gate/up triggers the down launch first; down spins on its block's
+    counter before its X copies, its top-k sum counts in at its own counters (``mSumCounter``), and it waits for the
+    kernel before at its end. The MMAs are those without the counters."""
+    up = dataclasses.replace(gemm_config(4.0, "mcg", 2, 8, split_halves=True, intermediate_splits=4,
+                                         x2_order="doubled"), input="float16", resident_k_tiles=32)
+    body = ptx_of(replace_ready(up, True), "sm_90a")
+    body = body[body.index(".entry"):]
+    assert body.index("griddepcontrol.launch_dependents") < min(body.index(PDL_WAIT), body.index("ld.global"))
+    assert body.count(ARRIVAL) == 2 and body.count(MMA) == ptx_of(up, "sm_90a").count(MMA)
+
+    down = dataclasses.replace(gemm_config(4.0, "mcg", 1, 8, split_halves=True),
+                               topk_sum=TopKSumConfig(8, "float16", 3))
+    body = ptx_of(replace_ready(down, True), "sm_90a")
+    body = body[body.index(".entry"):]
+    spin = body.index("ld.acquire.gpu.global.u32")
+    assert spin < body.index(ARRIVAL) < body.rindex(PDL_WAIT) and body.count(PDL_WAIT) == 1
+    assert body.count(MMA) == ptx_of(down, "sm_90a").count(MMA)
+
+
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("codebook", ["mcg", "3inst"])
 @pytest.mark.parametrize("rows", moe_ops.EIGHT_WARP_SMALL_BLOCK_ROWS)

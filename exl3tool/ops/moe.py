@@ -195,7 +195,9 @@ CONTIGUOUS_GROUP_ROWS = True
 # last ones run, each waiting only for its own block. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over L2-cold
 # copies, two processes each, y bit-identical, us, grid-wide wait -> counters: M=4 55.39 -> 54.19, M=6 64.17 ->
 # 60.16, M=8 75.01 -> 70.43, M=12 94.57 -> 90.73, M=16 111.13 -> 107.00, M=64 164.93 -> 163.16, M=128 209.39 ->
-# 204.83, M=256 252.48 -> 244.86; M=2 33.98 -> 34.91 (two K splits), so from 4 (docs/perf.md, s35).
+# 204.83, M=256 252.48 -> 244.86; M=2 33.98 -> 34.91 (two K splits), so from 4 (docs/perf.md, s35). s39: M=2 34.02
+# -> 35.08, M=3 43.66 -> 45.21. At M=1 they also work with the one-token GEMMs (the down GEMM's top-k sum then counts
+# in at mSumCounter); not measured yet.
 READY_COUNTERS_MIN_TOKENS = 4
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
@@ -674,12 +676,12 @@ class MoEPlan:
             down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, per2)
             if g2.skip_padding_tail:
                 down += (None, None, row_route, None, 0)
-            if g2.ready_wait:
-                down += (None, None, None, counter, 0)
             if topk_fused:  # the sum's arguments: counters, ids, route_row, down_svh, svh_row, weights, y
                 g2 = replace(g2, topk_sum=topk)
-                down += (None, None, None, topk_counter, 0, None, None, ids, route_row, d.down_svh, d.svh_row,
-                         weights, Y_ARG)
+                down += (None, None, None, counter if g2.ready_wait else topk_counter, 0, None, None, ids, route_row,
+                         d.down_svh, d.svh_row, weights, Y_ARG) + ((topk_counter,) if g2.ready_wait else ())
+            elif g2.ready_wait:
+                down += (None, None, None, counter, 0)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))
         if not topk_fused:
             step.launches.append((K.launch_topk_sum, K.compiled(topk, arch), (p2, d.down_svh, d.svh_row, ids,

@@ -60,7 +60,9 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     takes_rows = cfg.intermediate_splits or cfg.input is not None or cfg.skip_padding_tail
     row_route = fake_tensor(I32, rows) if takes_rows else None
     counter = fake_tensor(I32, None) if cfg.intermediate_splits or cfg.topk_sum is not None or cfg.ready_wait else None
-    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk, options)
+    sum_counter = fake_tensor(I32, None) if cfg.topk_sum is not None and cfg.ready_wait else None
+    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk + [sum_counter],
+                    options)
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
@@ -105,9 +107,9 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
                 x2=None, row_route=None, counters=None, inter_true: int = 0, gate_suh=None, up_suh=None, ids=None,
-                route_row=None, svh=None, svh_row=None, weights=None, y=None):
+                route_row=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
-       inter_true, gate_suh, up_suh, ids, route_row, svh, svh_row, weights, y)
+       inter_true, gate_suh, up_suh, ids, route_row, svh, svh_row, weights, y, sum_counters)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

@@ -328,14 +328,15 @@ def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monk
         assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (16, 64, 256)), ("two-groups-k3-k5", (16, 40)),
-                                     ("k3.5-mul1-shared-gated", (32,))])
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64, 256)), ("two-groups-k3-k5", (1, 16, 40)),
+                                     ("k3.5-mul1-shared-gated", (1, 32))])
 def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
     """From moe.READY_COUNTERS_MIN_TOKENS gate/up does the intermediate and the down GEMM waits for each route
     block's ready counter instead of gate/up's whole grid (8- to 32-row blocks here, one expert group or two, the
     shared expert's): the same MMAs and the same intermediate code, so y is bit-identical to the Intermediate launch
     and the grid-wide wait, eagerly (twice) and in graph replay, with one launch fewer a group, and every arrival
-    counter is back at zero after the call."""
+    counter is back at zero after the call. At M = 1 too, where gate/up rotates its own input and down does the top-k
+    sum (its counters apart from the ready ones)."""
     from exl3tool.ops.workspace import counters
 
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
