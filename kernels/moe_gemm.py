@@ -245,10 +245,16 @@ class MoEGemm(DecodeGemmKernel):
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
                mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor, mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
-        if cutlass.const_expr(cfg.ready_signal):
-            ptx.launch_dependents()  # the down GEMM waits for its blocks' ready counters, not for this grid
+        # With ready_signal the down GEMM waits for its blocks' ready counters, not for this grid, so it may launch
+        # at once; but it reads the route's block table first, so only once that is written: behind the input
+        # rotation (which waited for the route before letting this kernel launch) at once, right after the route
+        # (M = 1, rotating the input here) after the wait.
+        if cutlass.const_expr(cfg.ready_signal and cfg.input is None):
+            ptx.launch_dependents()
         if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):
             ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+        if cutlass.const_expr(cfg.ready_signal and cfg.input is not None):
+            ptx.launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
         warp = tid // 32

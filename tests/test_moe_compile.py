@@ -287,14 +287,15 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
 
 def test_block_ready_counters_with_the_one_token_gemms():
     """At M = 1 (if moe.READY_COUNTERS_MIN_TOKENS allows) the counters join the gate/up GEMM that rotates its own
-    input and the down GEMM that does the top-k sum: gate/up triggers the down launch first; down spins on its block's
-    counter before its X copies, its top-k sum counts in at its own counters (``mSumCounter``), and it waits for the
-    kernel before at its end. The MMAs are those without the counters."""
+    input and the down GEMM that does the top-k sum: gate/up, launched right behind the route, triggers the down launch
+    once its wait for the route is over (down reads the route's block table before its own counter) and before any
+    load; down spins on its block's counter before its X copies, its top-k sum counts in at its own counters
+    (``mSumCounter``), and it waits for the kernel before at its end. The MMAs are those without the counters."""
     up = dataclasses.replace(gemm_config(4.0, "mcg", 2, 8, split_halves=True, intermediate_splits=4,
                                          x2_order="doubled"), input="float16", resident_k_tiles=32)
     body = ptx_of(replace_ready(up, True), "sm_90a")
     body = body[body.index(".entry"):]
-    assert body.index("griddepcontrol.launch_dependents") < min(body.index(PDL_WAIT), body.index("ld.global"))
+    assert body.index(PDL_WAIT) < body.index("griddepcontrol.launch_dependents") < body.index("ld.global")
     assert body.count(ARRIVAL) == 2 and body.count(MMA) == ptx_of(up, "sm_90a").count(MMA)
 
     down = dataclasses.replace(gemm_config(4.0, "mcg", 1, 8, split_halves=True),
