@@ -3,16 +3,16 @@
     python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile] [--timeline] [--budget-s S] [--lines-out FILE]
                                 --variant NAME[:MODULE.ATTR=VALUE;...] ... [--cases-for NAME=CASE,...] CASE ...
 
-A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g.
-``--variant base --variant fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16``. A case is ``dense:INxOUT:M[:BITS[:CB]]``
-(a random linear, K=4 mcg by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as
-one CUDA graph over enough L2-cold weight copies and prints its median and a digest of y; the report gives each
-case's median over the processes of a variant, their spread (max - min) and where variants' y differ; ``--profile``
-adds each kernel's GPU time a call, ``--timeline`` each kernel's start and end in a call (us from its first kernel's
-start: with PDL a kernel starts before the one it waits for ends, so its time alone says little about the call's
-critical path). ``--cases-for`` gives a variant fewer cases than the others (where its override
-matters); ``--budget-s`` starts no worker past that many seconds and reports the rounds that ran, and ``--lines-out``
-keeps every worker's lines as they come, so that a machine's time limit leaves the measurements taken so far.
+A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g. ``--variant base --variant
+fused:exl3tool.ops.linear.FUSED_MAX_TOKENS=16``. A case is ``dense:INxOUT:M[:BITS[:CB]]`` (a random linear, K=4 mcg
+by default) or ``moe:M`` (E=128 top-8 2048x768 K=4 mcg). Every process times each case as one CUDA graph over enough
+L2-cold weight copies and prints its median and a digest of y; the report gives each case's median over the
+processes of a variant, their spread (max - min) and where variants' y differ; ``--profile`` adds each kernel's GPU
+time a call, ``--timeline`` each kernel's start and end in a call (us from its first kernel's start: with PDL a
+kernel starts before the one it waits for ends, so its time alone says little about the call's critical path).
+``--cases-for`` gives a variant fewer cases than the others (where its override matters); ``--budget-s`` starts no
+worker past that many seconds and reports the rounds that ran, and ``--lines-out`` keeps every worker's lines as
+they come, so that a machine's time limit leaves the measurements taken so far.
 
 Why processes, in turns: two processes of one variant differ by up to ~1 us at M=1 while one process's replays agree
 within 0.1 (docs/perf.md, Method), and two compiled copies of one kernel config in one process are unsafe.
