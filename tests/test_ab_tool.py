@@ -88,6 +88,9 @@ def test_the_timeline_is_the_middle_replays_calls_from_their_first_kernel():
     events = call(0.0, 0.0) + call(30.0, 0.0) + call(100.0, 1.0) + call(130.0, 3.0) + call(200.0, 9.0)
     events += call(230.0, 9.0)
     spans = ab.layer_timeline(events[::-1], replays=3, calls=2)  # any event order
+    # --profile's kernel times from the same trace: every replay's kernels summed, a call's share
+    assert ab.kernel_times(events, replays=3, calls=2) == pytest.approx(
+        {"route": (5.0 * 6 + 1.0 + 3.0 + 18.0 + 6.0 * 6) / 6, "moe_gemmMoEGemm": 20.0})
     assert spans == [("route", 0.0, 7.0), ("moe_gemmMoEGemm", 1.0, 21.0), ("route", 20.0, 26.0)]
     assert ab.layer_timeline(events[:-1], replays=3, calls=2) == []  # not whole calls: nothing
     lines = [f"{ab.RESULT} base moe:16 104.3 aaaa launches=5", f"{ab.RESULT} new moe:16 103.0 aaaa launches=5"]

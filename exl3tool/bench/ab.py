@@ -36,8 +36,7 @@ from dataclasses import dataclass
 RESULT = "AB-RESULT"
 KERNEL = "AB-KERNEL"
 TIMELINE = "AB-TIMELINE"
-PROFILE_REPLAYS = 5
-TIMELINE_REPLAYS = 3  # the middle one is reported: no first-replay or last-replay edges
+PROFILE_REPLAYS = 5  # graph replays traced for --profile and --timeline (the timeline takes the middle one)
 MOE_SHAPE = (128, 8, 2048, 768)  # the moe:M case: experts, top-k, hidden, intermediate (Qwen3-30B-A3B)
 MOE_COPIES = 10  # layer copies of the MoE case: 10 x 302 MB, past 3x any current L2
 
@@ -187,49 +186,48 @@ def layer_timeline(events: list[tuple[float, float, str]], replays: int, calls: 
              statistics.median(call[k][0] + call[k][1] - call[0][0] for call in by_call)) for k in range(per)]
 
 
+def kernel_times(events: list[tuple[float, float, str]], replays: int, calls: int) -> dict[str, float]:
+    """Each kernel's GPU time a call (us), from the GPU kernels ``(ts, dur, name)`` of ``replays`` graph replays of
+    ``calls`` calls each; a kernel launched early by PDL counts its wait."""
+    times: dict[str, float] = {}
+    for _, dur, name in events:
+        key = kernel_name(name)
+        times[key] = times.get(key, 0.0) + dur / (replays * calls)
+    return times
+
+
+def _traced_kernels(graph, replays: int) -> list[tuple[float, float, str]]:
+    """The GPU kernels ``(ts, dur, name)`` (us) of ``replays`` replays of ``graph``, from torch.profiler's trace."""
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        with open(f"{folder}/trace.json") as f:
+            trace = json.load(f)
+    return [(e["ts"], e["dur"], e["name"]) for e in trace["traceEvents"] if e.get("cat") == "kernel"]
+
+
 def _measure(step, calls: int, replays: int, profile: bool, timeline: bool = False):
     """Median us a call over ``replays`` graph replays of ``step`` (``calls`` calls); with ``profile`` also each
-    kernel's GPU time a call (torch.profiler over PROFILE_REPLAYS replays; a kernel launched early by PDL counts its
-    wait), with ``timeline`` each kernel's (name, start, end) in a call (``layer_timeline``)."""
-    import torch
-
+    kernel's GPU time a call (``kernel_times``), with ``timeline`` each kernel's (name, start, end) in a call
+    (``layer_timeline``), both from one trace of PROFILE_REPLAYS replays."""
     from exl3tool.bench import timing
 
     graph = timing.capture_graph(step)
     timing.warm_up(graph.replay)
     (t,) = timing.time_interleaved([(graph.replay, calls)], replays)
-    kernels: dict[str, float] = {}
-    spans: list[tuple[str, float, float]] = []
-    if timeline:
-        import json
-        import tempfile
-
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(TIMELINE_REPLAYS):
-                graph.replay()
-            torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as folder:
-            prof.export_chrome_trace(f"{folder}/trace.json")
-            with open(f"{folder}/trace.json") as f:
-                trace = json.load(f)
-        events = [(e["ts"], e["dur"], e["name"]) for e in trace["traceEvents"] if e.get("cat") == "kernel"]
-        spans = layer_timeline(events, TIMELINE_REPLAYS, calls)
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(PROFILE_REPLAYS):
-                graph.replay()
-            torch.cuda.synchronize()
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                name = kernel_name(e.name)
-                kernels[name] = kernels.get(name, 0.0) + us / (PROFILE_REPLAYS * calls)
+    events = _traced_kernels(graph, PROFILE_REPLAYS) if profile or timeline else []
+    kernels = kernel_times(events, PROFILE_REPLAYS, calls) if profile else {}
+    spans = layer_timeline(events, PROFILE_REPLAYS, calls) if timeline else []
     return t.median_us, kernels, spans
 
 
