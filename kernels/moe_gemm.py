@@ -208,9 +208,9 @@ class MoEGemm(DecodeGemmKernel):
     ):
         """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
         rotates its own input (then mX is x itself ``[1, hidden]``); mSvh .. mY: None without the fused top-k sum
-        (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None. The counter of
-        the fused tail: one per (route block, 128 columns) for the intermediate, one per 128 columns for the sum;
-        mSumCounter: the sum's where mCounter holds the blocks' ready counters (``ready_wait``), else None."""
+        (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None. mCounter: the
+        fused intermediate's arrival counters (one per route block and 128 columns) and the blocks' ready counters
+        after them, else None; mSumCounter: the fused top-k sum's (one per 128 columns), else None."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
         if cutlass.const_expr(mCounter is None):
@@ -224,7 +224,7 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(mSvh is None):
             mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
         if cutlass.const_expr(mSumCounter is None):
-            mSumCounter = mCounter  # the sum's counters, if any, are mCounter's
+            mSumCounter = mP  # never touched: no fused top-k sum
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY, mSumCounter).launch(
@@ -246,9 +246,9 @@ class MoEGemm(DecodeGemmKernel):
                mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor, mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         # With ready_signal the down GEMM waits for its blocks' ready counters, not for this grid, so it may launch
-        # at once; but it reads the route's block table first, so only once that is written: behind the input
-        # rotation (which waited for the route before letting this kernel launch) at once, right after the route
-        # (M = 1, rotating the input here) after the wait.
+        # before this kernel's own PDL wait; it reads the route's block table first, though. Behind the input
+        # rotation that table is written (the rotation waited for the route before letting this kernel launch);
+        # right behind the route (M = 1: this kernel rotates the input) only after the wait.
         if cutlass.const_expr(cfg.ready_signal and cfg.input is None):
             ptx.launch_dependents()
         if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):

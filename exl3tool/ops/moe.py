@@ -678,8 +678,8 @@ class MoEPlan:
                 down += (None, None, row_route, None, 0)
             if topk_fused:  # the sum's arguments: counters, ids, route_row, down_svh, svh_row, weights, y
                 g2 = replace(g2, topk_sum=topk)
-                down += (None, None, None, counter if g2.ready_wait else topk_counter, 0, None, None, ids, route_row,
-                         d.down_svh, d.svh_row, weights, Y_ARG) + ((topk_counter,) if g2.ready_wait else ())
+                down += (None, None, None, counter if g2.ready_wait else None, 0, None, None, ids, route_row,
+                         d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
             elif g2.ready_wait:
                 down += (None, None, None, counter, 0)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))
