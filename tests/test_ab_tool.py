@@ -103,6 +103,19 @@ def test_the_timeline_is_the_middle_replays_calls_from_their_first_kernel():
     gemm = next(r for r in rows if "1 moe_gemmMoEGemm" in r)
     assert route.split()[2:] == ["0.0-7.7", "0.0-6.0"] and gemm.split()[2:] == ["8.2-78.2", "6.5-77.0"]
     assert rows.index(route) < rows.index(gemm)  # in launch order
+    # a variant that launches another kernel at an index gets its own row there, not the first variant's name
+    lines += [f"{ab.TIMELINE} other moe:16 {i} {s} {e} {n}" for i, s, e, n in [
+        (0, 0.0, 7.0, "moe_routeMoERoute"), (1, 7.5, 20.0, "moe_rotateIntermediate"),
+        (2, 20.0, 90.0, "moe_gemmMoEGemm")]]
+    lines.append(f"{ab.RESULT} other moe:16 110.0 bbbb launches=6")
+    rows = ab.summarize(lines).splitlines()
+    spans = [r.split() for r in rows if r.startswith("  ") and r.split()[0].isdigit()]
+    at = {f"{index} {name}": cells for index, name, *cells in spans}
+    assert at == {"0 moe_routeMoERoute": ["0.0-7.7", "0.0-6.0", "0.0-7.0"],
+                  "1 moe_gemmMoEGemm": ["8.2-78.2", "6.5-77.0", "-"],
+                  "1 moe_rotateIntermediate": ["-", "-", "7.5-20.0"],
+                  "2 moe_gemmMoEGemm": ["-", "-", "20.0-90.0"]}
+    assert [index for index, *_ in spans] == ["0", "1", "1", "2"]  # in launch order
 
 
 def test_without_a_gpu_it_is_a_usage_error(monkeypatch, capsys):

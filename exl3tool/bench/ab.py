@@ -108,15 +108,16 @@ def summarize(lines: list[str]) -> str:
     digests: dict[tuple[str, str], set[str]] = {}
     plans: dict[tuple[str, str], str] = {}
     kernels: dict[str, dict[str, dict[str, list[float]]]] = {}  # case -> kernel -> variant -> us per process
-    # case -> kernel index -> (its name in the first variant seen, variant -> (start, end) per process)
-    spans: dict[str, dict[int, tuple[str, dict[str, list[tuple[float, float]]]]]] = {}
+    # case -> (kernel index, name) -> variant -> (start, end) per process: variants whose launches differ (another
+    # kernel at an index) get a row each for what they ran there
+    spans: dict[str, dict[tuple[int, str], dict[str, list[tuple[float, float]]]]] = {}
     for line in lines:
         if line.startswith(KERNEL):
             _, variant, case, us, name = line.split()
             kernels.setdefault(case, {}).setdefault(name, {}).setdefault(variant, []).append(float(us))
         if line.startswith(TIMELINE):
             _, variant, case, index, start, end, name = line.split()
-            _, per_variant = spans.setdefault(case, {}).setdefault(int(index), (name, {}))
+            per_variant = spans.setdefault(case, {}).setdefault((int(index), name), {})
             per_variant.setdefault(variant, []).append((float(start), float(end)))
         if not line.startswith(RESULT):
             continue
@@ -127,7 +128,7 @@ def summarize(lines: list[str]) -> str:
     cases = list(dict.fromkeys(c for c, _ in times))
     variants = list(dict.fromkeys(v for _, v in times))
     names = [n for c in cases for n in kernels.get(c, {})]
-    names += [f"{i} {name}" for c in cases for i, (name, _) in spans.get(c, {}).items()]
+    names += [f"{i} {name}" for c in cases for i, name in spans.get(c, {})]
     width = max([len(c) for c in cases] + [len(n) + 2 for n in names] + [4]) + 2
 
     def row(label: str, per_variant: dict[str, list[float]], stat) -> str:
@@ -148,7 +149,7 @@ def summarize(lines: list[str]) -> str:
         out.append(" " * width + " | ".join(f"{v}: {plans[(c, v)]}" for v in variants if (c, v) in plans))
         for name, us in sorted(kernels.get(c, {}).items(), key=lambda kv: -max(map(max, kv[1].values()))):
             out.append(row(f"  {name}", us, statistics.median))
-        for index, (name, per_variant) in sorted(spans.get(c, {}).items()):
+        for (index, name), per_variant in sorted(spans.get(c, {}).items(), key=lambda kv: kv[0][0]):
             cells = [f"{statistics.median(s for s, _ in per_variant[v]):.1f}-"
                      f"{statistics.median(e for _, e in per_variant[v]):.1f}" if v in per_variant else "-"
                      for v in variants]
