@@ -103,7 +103,7 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
     assert step_shape(d, ready[-1] + 1, 132, "sm_90a").block_rows == 64
     assert not step_shape(d, 4096, 132, "sm_90a").fused_intermediate
     monkeypatch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)
-    # (M=14-16: 8-warp CTAs, moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS, halve the gate/up grid)
+    # (M=14-16: 8-warp CTAs, moe.eight_warp_small_blocks, halve the gate/up grid)
     assert [m for m in range(1, 17) if step_shape(d, m, 132).fused_intermediate] == [1, 2, 3, 5, 6, 7, 8, 14, 15, 16]
     assert not any(step_shape(d, m, 132).fused_intermediate for m in (64, 256, 4096))
     assert step_shape(d, 16, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate
@@ -134,6 +134,22 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
     assert group_splits("sm_120a", low, 8) == (False, False) and group_splits("sm_90a", low, 8) == (True, True)
     assert [x_order(rows, split) for rows, split in ((8, True), (8, False), (32, False), (128, False))] == [
         "doubled", "rows", "fragments", "rows"]
+
+
+def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
+    """8- and 16-row route blocks take 8-warp CTAs from moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS and at the token counts
+    in EIGHT_WARP_SMALL_BLOCK_TOKENS (none yet): at M = 4 listed, its CTAs take twice the columns and split-K fills
+    the SMs again with three gate/up splits and two down splits instead of two and one; its neighbours keep 4 warps."""
+    from exl3tool.ops.moe import gemm_layout
+
+    d = moe()
+    assert moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS == ()
+    monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", (4,))
+    assert [gemm_layout(8, "mcg", tokens=m).get("warps", 4) for m in (3, 4, 5, 13, 14)] == [4, 8, 4, 4, 8]
+    assert [(step_shape(d, m, 132).splits13, step_shape(d, m, 132).splits2) for m in (3, 4, 5)] == [
+        (2, 2), (3, 2), (1, 1)]
+    monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", ())
+    assert (step_shape(d, 4, 132).splits13, step_shape(d, 4, 132).splits2) == (2, 1)
 
 
 def test_unsplit_one_group_route_blocks_pipeline_three_stages_on_sm90():

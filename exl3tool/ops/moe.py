@@ -102,9 +102,15 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # bit-identical, us (4 -> 8 warps): 8 rows M=14 94.40 -> 92.38, M=16 106.09 -> 104.76, M=32 129.70 -> 127.68, M=64
 # 158.02 -> 153.99; 16 rows M=80 198.99 -> 190.91, M=96 200.42 -> 191.68, M=128 203.58 -> 196.16; lost at M=12
 # 89.81 -> 91.55 and M=8 69.87 -> 71.60 (two K splits there); M=13 97.95 -> 97.07, within two processes' spread.
-# SM120 not measured.
+# SM120 not measured. Also at the token counts in EIGHT_WARP_SMALL_BLOCK_TOKENS. Measured faster at M=4, where 4
+# warps split gate/up's K in two and 8 split it in three (the same H200 layer, three rounds; y not the same bits, the
+# split sums group differently): M=4 53.99 -> 50.72 and 58.15 -> 54.02 (two calls); lost at M=1 25.08 -> 25.48, M=3
+# 43.58 -> 46.35, M=5 56.69 -> 57.29, M=6 60.21 -> 64.85, M=8 69.73 -> 71.83 (docs/perf.md, fortieth session).
+# Empty until tests/gpu's test_eight_warp_small_blocks_at_their_own_splits has run (no device time was left); then
+# (4,).
 EIGHT_WARP_SMALL_BLOCK_ROWS = (8, 16)
 EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS = 14
+EIGHT_WARP_SMALL_BLOCK_TOKENS: tuple[int, ...] = ()
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
@@ -455,11 +461,16 @@ def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
             split_halves(arch, group.w2_codebook, tg, group.w2_bits))
 
 
+def eight_warp_small_blocks(tokens: int) -> bool:
+    """Do 8- and 16-row route blocks take 8-warp CTAs at ``tokens``?"""
+    return tokens >= EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS or tokens in EIGHT_WARP_SMALL_BLOCK_TOKENS
+
+
 def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False, tokens: int = 0) -> dict:
     """MoEGemmConfig fields of the route block's GEMM layout at ``tokens`` beyond its defaults."""
     if wgmma:
         return {**WGMMA_LAYOUT, **WGMMA_BLOCK_LAYOUT.get(block_rows, {})}
-    if block_rows in EIGHT_WARP_SMALL_BLOCK_ROWS and tokens >= EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS:
+    if block_rows in EIGHT_WARP_SMALL_BLOCK_ROWS and eight_warp_small_blocks(tokens):
         return dict(warps=8)
     return GEMM_LAYOUT.get(block_rows, dict(warps=decode_warps(codebook, block_rows // 8)))
 

@@ -383,6 +383,30 @@ def test_eight_warp_small_blocks_change_no_bit(synthetic, name, ms, monkeypatch)
     assert rows[0] == 8 and rows[-1] == 16, (name, rows)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
+def test_eight_warp_small_blocks_at_their_own_splits(synthetic, name, monkeypatch):
+    """With 4 in moe.EIGHT_WARP_SMALL_BLOCK_TOKENS the 8-row route blocks of M = 4 take 8-warp CTAs, whose gate/up
+    GEMM splits K three ways where 4 warps split it two: y is within MAX_REL of the fp32 reference, the same eagerly
+    (twice) and in graph replay, and within fp32 rounding of the 4-warp plan's."""
+    m = 4
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs, splits = [], []
+    for tokens in ((4,), ()):
+        y, made, plan = layer_with(monkeypatch, dmoe, x, {"EIGHT_WARP_SMALL_BLOCK_TOKENS": tokens})
+        shape = plan.step(m, False).shape
+        assert shape.block_rows == 8 and {c.warps for c in made} == {8 if tokens else 4}, name
+        outs.append(y)
+        splits.append(shape.splits13)
+    if name == "qwen3-30b-shape-k4-mcg":
+        assert splits == [3, 2]
+    ids, weights = (t.clone() for t in routes(plan, m))
+    want = reference_given(reader, moe, x, ids.long(), weights)
+    assert rel(outs[0], want) < MAX_REL and rel(outs[0], outs[1]) < 1e-3, (name, rel(outs[0], outs[1]))
+
+
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 256), ("qwen3-30b-shape-k4-mcg", 96),
                                     ("k2-3inst-unnormalised", 16)])
 def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
