@@ -146,10 +146,11 @@ def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
     assert moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS == ()
     monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", (4,))
     assert [gemm_layout(8, "mcg", tokens=m).get("warps", 4) for m in (3, 4, 5, 13, 14)] == [4, 8, 4, 4, 8]
-    assert [(step_shape(d, m, 132).splits13, step_shape(d, m, 132).splits2) for m in (3, 4, 5)] == [
-        (2, 2), (3, 2), (1, 1)]
+    shapes = [step_shape(d, m, 132) for m in (3, 4, 5)]
+    assert [(s.splits13, s.splits2) for s in shapes] == [(2, 2), (3, 2), (1, 1)]
     monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", ())
-    assert (step_shape(d, 4, 132).splits13, step_shape(d, 4, 132).splits2) == (2, 1)
+    shape = step_shape(d, 4, 132)
+    assert (shape.splits13, shape.splits2) == (2, 1)
 
 
 def test_unsplit_one_group_route_blocks_pipeline_three_stages_on_sm90():
