@@ -103,8 +103,9 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
     assert step_shape(d, ready[-1] + 1, 132, "sm_90a").block_rows == 64
     assert not step_shape(d, 4096, 132, "sm_90a").fused_intermediate
     monkeypatch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)
-    # (M=14-16: 8-warp CTAs, moe.eight_warp_small_blocks, halve the gate/up grid)
-    assert [m for m in range(1, 17) if step_shape(d, m, 132).fused_intermediate] == [1, 2, 3, 5, 6, 7, 8, 14, 15, 16]
+    # (M=4 and 14-16: 8-warp CTAs, moe.eight_warp_small_blocks, halve the gate/up grid)
+    assert [m for m in range(1, 17) if step_shape(d, m, 132).fused_intermediate] == [1, 2, 3, 4, 5, 6, 7, 8, 14, 15,
+                                                                                      16]
     assert not any(step_shape(d, m, 132).fused_intermediate for m in (64, 256, 4096))
     assert step_shape(d, 16, 1000).fused_intermediate and not step_shape(d, 1, 8).fused_intermediate
     # the expected blocks: every expert reached, one more per 8 routes beyond, the shared expert's own
@@ -138,31 +139,31 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
 
 def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
     """8- and 16-row route blocks take 8-warp CTAs from moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS and at the token counts
-    in EIGHT_WARP_SMALL_BLOCK_TOKENS (none yet): at M = 4 listed, its CTAs take twice the columns and split-K fills
-    the SMs again with three gate/up splits and two down splits instead of two and one; its neighbours keep 4 warps."""
+    in EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4): there its CTAs take twice the columns and split-K fills the SMs again
+    with three gate/up splits and two down splits instead of two and one; its neighbours keep 4 warps."""
     from exl3tool.ops.moe import gemm_layout
 
     d = moe()
-    assert moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS == ()
-    monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", (4,))
+    assert moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS == (4,)
     assert [gemm_layout(8, "mcg", tokens=m).get("warps", 4) for m in (3, 4, 5, 13, 14)] == [4, 8, 4, 4, 8]
     shapes = [step_shape(d, m, 132) for m in (3, 4, 5)]
     assert [(s.splits13, s.splits2) for s in shapes] == [(2, 2), (3, 2), (1, 1)]
     monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", ())
+    assert gemm_layout(8, "mcg", tokens=4).get("warps", 4) == 4
     shape = step_shape(d, 4, 132)
     assert (shape.splits13, shape.splits2) == (2, 1)
 
 
 def test_unsplit_one_group_route_blocks_pipeline_three_stages_on_sm90():
     """On sm_90 8-row mma.sync route blocks whose K is not split take 3 pipeline stages (moe.UNSPLIT_SYNC_STAGES:
-    H200 M=8-64 3-5% faster), split ones (M <= 3 here, a few stages a CTA) and everything else keep the layout's;
+    H200 M=8-64 3-5% faster), split ones (M <= 4 here, a few stages a CTA) and everything else keep the layout's;
     SM120 keeps 2. The 3 stages fit beside the rest of the CTA's shared memory."""
     from exl3tool.ops.moe import gemm_config, sync_stages
 
     d = moe()
     shapes = {m: step_shape(d, m, 132) for m in (1, 2, 4, 8, 16, 64)}
     assert [(m, s.block_rows, s.splits13, s.splits2) for m, s in shapes.items()] == [
-        (1, 8, 4, 3), (2, 8, 3, 2), (4, 8, 2, 1), (8, 8, 1, 1), (16, 8, 1, 1), (64, 8, 1, 1)]
+        (1, 8, 4, 3), (2, 8, 3, 2), (4, 8, 3, 2), (8, 8, 1, 1), (16, 8, 1, 1), (64, 8, 1, 1)]
     assert [sync_stages("sm_90a", 8, False, n) for n in (1, 2)] == [{"stages": 3}, {}]
     assert sync_stages("sm_90a", 8, True, 1) == sync_stages("sm_90a", 32, False, 1) == {}
     assert sync_stages("sm_120a", 8, False, 1) == {}

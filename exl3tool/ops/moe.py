@@ -102,15 +102,16 @@ GEMM_LAYOUT = {128: dict(warps=8, warp_cols=4, k_tiles_per_stage=4)}
 # bit-identical, us (4 -> 8 warps): 8 rows M=14 94.40 -> 92.38, M=16 106.09 -> 104.76, M=32 129.70 -> 127.68, M=64
 # 158.02 -> 153.99; 16 rows M=80 198.99 -> 190.91, M=96 200.42 -> 191.68, M=128 203.58 -> 196.16; lost at M=12
 # 89.81 -> 91.55 and M=8 69.87 -> 71.60 (two K splits there); M=13 97.95 -> 97.07, within two processes' spread.
-# SM120 not measured. Also at the token counts in EIGHT_WARP_SMALL_BLOCK_TOKENS. Measured faster at M=4, where 4
-# warps split gate/up's K in two and 8 split it in three (the same H200 layer, three rounds; y not the same bits, the
-# split sums group differently): M=4 53.99 -> 50.72 and 58.15 -> 54.02 (two calls); lost at M=1 25.08 -> 25.48, M=3
-# 43.58 -> 46.35, M=5 56.69 -> 57.29, M=6 60.21 -> 64.85, M=8 69.73 -> 71.83 (docs/perf.md, fortieth session).
-# Empty until tests/gpu's test_eight_warp_small_blocks_at_their_own_splits has run (no device time was left); then
-# (4,).
+# SM120 not measured. Also at the token counts in EIGHT_WARP_SMALL_BLOCK_TOKENS: M=4, where 4 warps split gate/up's
+# K in two and down's not at all, 8 warps in three and two. The same H200 layer, three rounds each, us (y not the same
+# bits, the split sums group differently): M=4 53.99 -> 50.72, 58.15 -> 54.02 (s40) and 54.18 -> 50.57 (s41); 4 warps
+# at 8 warps' splits (CTAS_PER_SM = 16, y bit-identical to 8 warps') 51.44, so the splits give three quarters of the
+# gain and the wider CTAs the rest; 4 warps at (2, 2) splits 52.33. Lost at M=1 25.08 -> 25.48, M=3 43.58 -> 46.35,
+# M=5 56.69 -> 57.29, M=6 60.21 -> 64.85, M=8 69.73 -> 71.83; more splits at 4 warps M=5 56.84 -> 56.01 (within
+# two spreads), M=6 59.99 -> 63.99 (docs/perf.md, fortieth and forty-first sessions).
 EIGHT_WARP_SMALL_BLOCK_ROWS = (8, 16)
 EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS = 14
-EIGHT_WARP_SMALL_BLOCK_TOKENS: tuple[int, ...] = ()
+EIGHT_WARP_SMALL_BLOCK_TOKENS: tuple[int, ...] = (4,)
 # Route blocks whose X and X2 are written in the GEMMs' fragment order (one 16-byte shared load per k-tile pair and
 # token group, as the dense GEMM from 2 token groups): bit-identical y. H200, E=128 top-8 2048x768 K=4, whole layer,
 # two alternated runs: 32 rows (M=256) 284.4 -> 272.6 us, 64 rows (M=1024) 651.0 -> 579.5; not 8 rows (M=16: 125.8
