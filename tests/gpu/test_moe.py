@@ -460,7 +460,9 @@ def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, mon
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for on in (True, False):
-            y, made, plan = layer_with(monkeypatch, dmoe, x, {"UNSPLIT_SYNC_STAGES": three if on else {}})
+            # 4 warps at M = 4 (not moe.EIGHT_WARP_SMALL_BLOCK_TOKENS' 8): gate/up splits K, down runs all of it
+            settings = {"UNSPLIT_SYNC_STAGES": three if on else {}, "EIGHT_WARP_SMALL_BLOCK_TOKENS": ()}
+            y, made, plan = layer_with(monkeypatch, dmoe, x, settings)
             shape = plan.step(m, False).shape
             splits = {2: shape.splits13, 1: shape.splits2}  # by planes: gate/up, down
             assert shape.block_rows == 8 and 1 in splits.values()  # some GEMM here runs its whole K
