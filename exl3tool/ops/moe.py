@@ -156,10 +156,11 @@ FUSED_INTERMEDIATE_ROWS = 8
 FUSED_INTERMEDIATE_WAVES = 1.25
 # Pipeline stages of the mma.sync route blocks whose K is not split (each CTA runs the whole K: at hidden 2048 /
 # intermediate 768, 16 stages of gate/up, 6 of down), the main loop unrolled over them (mainloop.chunk_unroll); split
-# ones (2-8 stages a CTA: M <= 3, and M=4's gate/up) keep 2. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4
+# ones (2-8 stages a CTA: M <= 4) keep 2. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4
 # L2-cold copies, a process per variant, two each, y bit-identical, us (2 -> 3 stages): M=4 54.57 -> 53.98, M=8
 # 83.54 -> 79.61, M=16 119.43 -> 114.49, M=64 170.50 -> 166.37. Lost: split blocks at 3 (M=1 26.25 -> 27.56, M=2
-# 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128 208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93).
+# 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128 208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93;
+# at 8 warps, s41: M=16 105.39 -> 107.83, M=64 155.06 -> 158.05; 16-row blocks at 3, M=96 192.81 -> 200.23).
 # SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured). docs/perf.md, twenty-second session.
 UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
 # Launch bounds of the mma.sync route blocks' GEMMs, by (block rows, planes): CTAs an SM that ptxas must fit
