@@ -325,6 +325,20 @@ def test_eight_warp_small_blocks_from_fourteen_tokens(arch, codebook, rows):
         assert ptx_of(eight, arch).count(MMA) == ptx_of(four, arch).count(MMA)
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_eight_warp_small_blocks_at_listed_token_counts_with_split_k(arch):
+    """At the token counts in moe.EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4) the 8-row blocks' 8-warp GEMMs split K:
+    gate/up sums three splits in its fused intermediate and signals block readiness, down waits for it, both with
+    split halves and 2 stages, within SM120's shared memory and with the 4-warp kernels' MMAs a warp."""
+    tokens = moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS[0]
+    for planes, fields in ((2, dict(intermediate_splits=3, ready_signal=True, x2_order=x_order(8, True))),
+                           (1, dict(ready_wait=True))):
+        four, eight = (gemm_config(4.0, "mcg", planes, 8, split_halves=True, tokens=m, **fields)
+                       for m in (tokens - 1, tokens))
+        assert (four.warps, eight.warps, eight.stages) == (4, 8, 2) and eight.smem_bytes <= SMEM_LIMIT_BYTES
+        assert ptx_of(eight, arch).count(MMA) == ptx_of(four, arch).count(MMA)
+
+
 def replace_ready(cfg, on: bool):
     return dataclasses.replace(cfg, ready_signal=on and cfg.planes == 2, ready_wait=on and cfg.planes == 1)
 
