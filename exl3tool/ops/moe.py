@@ -205,7 +205,7 @@ CONTIGUOUS_GROUP_ROWS = True
 # 60.16, M=8 75.01 -> 70.43, M=12 94.57 -> 90.73, M=16 111.13 -> 107.00, M=64 164.93 -> 163.16, M=128 209.39 ->
 # 204.83, M=256 252.48 -> 244.86; M=2 33.98 -> 34.91 (two K splits), so from 4 (docs/perf.md, s35). s39: M=2 34.02
 # -> 35.08, M=3 43.66 -> 45.21. At M=1 they also work with the one-token GEMMs (the down GEMM's top-k sum then counts
-# in at mSumCounter); not measured yet.
+# in at mSumCounter), and lost: 24.73 -> 26.18 (s40; down's CTAs launch early and spin beside gate/up).
 READY_COUNTERS_MIN_TOKENS = 4
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
