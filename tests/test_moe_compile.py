@@ -316,13 +316,8 @@ def test_eight_warp_small_blocks_from_fourteen_tokens(arch, codebook, rows):
     waiting for it, within SM120's shared memory, with the 4-warp kernels' MMAs a warp."""
     split = rows == 8  # one token group splits each weight's halves (targets.SPLIT_HALVES_MAX_TOKEN_GROUPS)
     stages = {"stages": 3} if arch == "sm_90a" and rows == 8 else {}
-    for planes, fields in ((2, dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(rows, split))),
-                           (1, dict(ready_wait=True))):
-        four, eight = (gemm_config(4.0, codebook, planes, rows, split_halves=split, tokens=m, **stages, **fields)
-                       for m in (moe_ops.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS - 1,
-                                 moe_ops.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS))
-        assert (four.warps, eight.warps) == (4, 8) and eight.smem_bytes <= SMEM_LIMIT_BYTES
-        assert ptx_of(eight, arch).count(MMA) == ptx_of(four, arch).count(MMA)
+    assert_eight_warps_keep_the_mmas(arch, codebook, rows, moe_ops.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS, split, 1,
+                                     **stages)
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
@@ -330,13 +325,24 @@ def test_eight_warp_small_blocks_at_listed_token_counts_with_split_k(arch):
     """At the token counts in moe.EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4) the 8-row blocks' 8-warp GEMMs split K:
     gate/up sums three splits in its fused intermediate and signals block readiness, down waits for it, both with
     split halves and 2 stages, within SM120's shared memory and with the 4-warp kernels' MMAs a warp."""
-    tokens = moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS[0]
-    for planes, fields in ((2, dict(intermediate_splits=3, ready_signal=True, x2_order=x_order(8, True))),
+    eights = assert_eight_warps_keep_the_mmas(arch, "mcg", 8, moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS[0], True, 3)
+    assert [c.stages for c in eights] == [2, 2]
+
+
+def assert_eight_warps_keep_the_mmas(arch, codebook, rows, tokens, split, intermediate_splits, **stages) -> list:
+    """The gate/up (fused intermediate, ready signal) and down (ready wait) GEMMs of ``rows``-row blocks take 8 warps
+    at ``tokens`` and 4 a token fewer, fit the shared memory and keep the 4-warp kernels' MMAs a warp; returns the
+    8-warp configs."""
+    eights = []
+    for planes, fields in ((2, dict(intermediate_splits=intermediate_splits, ready_signal=True,
+                                    x2_order=x_order(rows, split))),
                            (1, dict(ready_wait=True))):
-        four, eight = (gemm_config(4.0, "mcg", planes, 8, split_halves=True, tokens=m, **fields)
+        four, eight = (gemm_config(4.0, codebook, planes, rows, split_halves=split, tokens=m, **stages, **fields)
                        for m in (tokens - 1, tokens))
-        assert (four.warps, eight.warps, eight.stages) == (4, 8, 2) and eight.smem_bytes <= SMEM_LIMIT_BYTES
+        assert (four.warps, eight.warps) == (4, 8) and eight.smem_bytes <= SMEM_LIMIT_BYTES
         assert ptx_of(eight, arch).count(MMA) == ptx_of(four, arch).count(MMA)
+        eights.append(eight)
+    return eights
 
 
 def replace_ready(cfg, on: bool):
