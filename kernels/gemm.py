@@ -123,8 +123,9 @@ class GemmConfig:
             raise ValueError("shared decode stores summed weights: no split_halves")
         if self.warps not in (4, 8):
             raise ValueError("warps must be 4 or 8 (out_p/16 is a multiple of 8)")
-        if self.k_tiles_per_stage not in (1, 2, 4, 8):
-            raise ValueError("k_tiles_per_stage must divide 8 (in_p/16 is a multiple of 8)")
+        if self.k_tiles_per_stage not in (1, 2, 4, 8, 16):
+            raise ValueError("k_tiles_per_stage must be 1, 2, 4, 8 (they divide in_p/16, a multiple of 8) or 16 "
+                             "(where the caller's K splits are whole stages)")
         if self.stages < 2:
             raise ValueError("need at least two pipeline stages")
         if self.split_halves and self.codebook == "mul1":

@@ -307,6 +307,34 @@ def test_block_ready_counters_with_the_one_token_gemms():
     assert body.count(MMA) == ptx_of(down, "sm_90a").count(MMA)
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("planes", [2, 1])
+def test_sixteen_k_tile_stages_of_eight_warp_route_blocks(arch, planes):
+    """The unsplit GEMMs of 8-warp 8-row route blocks on sm_90 (moe.UNSPLIT_SYNC_PIPELINES): 2 stages of 16 k-tiles,
+    gate/up with its fused intermediate and ready signal, down with its wait. Against 3 stages of 8: the same MMAs a
+    k-tile, fewer CTA barriers a weight, within 99 KB and four CTAs' shared memory an SM; on sm_90a no spills, at
+    most 64 registers (four CTAs of 256 threads an SM, as at 3 of 8) and no more SASS a weight."""
+    from exl3tool import sass
+    from exl3tool.kernels.trellis import mmas_per_tile
+
+    fields = (dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(8, True)) if planes == 2
+              else dict(ready_wait=True))
+    sixteen = gemm_config(4.0, "mcg", planes, 8, tokens=16, split_halves=True,
+                          **moe_ops.sync_pipeline("sm_90a", 8, 8, False, 1, 128), **fields)
+    eight = dataclasses.replace(sixteen, stages=3, k_tiles_per_stage=8)
+    assert (sixteen.warps, sixteen.stages, sixteen.k_tiles_per_stage) == (8, 2, 16)
+    assert sixteen.smem_bytes <= SMEM_LIMIT_BYTES and 4 * (sixteen.smem_bytes + 1024) <= 228 * 1024  # 1 KB: driver's
+    new, old = sass.gemm_report(sixteen, arch), sass.gemm_report(eight, arch)
+    assert new.main_loop.mmas == 2 * 16 * mmas_per_tile(True) and old.main_loop.mmas == 3 * 8 * mmas_per_tile(True)
+
+    def barriers(report):
+        return report.main_loop.by_opcode.get("BAR", 0) / report.loop_weights
+
+    assert 0 < barriers(new) < barriers(old)
+    if arch == "sm_90a":
+        assert new.spill_instructions == 0 and new.registers <= 64 and new.per_weight <= old.per_weight
+
+
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("codebook", ["mcg", "3inst"])
 @pytest.mark.parametrize("rows", moe_ops.EIGHT_WARP_SMALL_BLOCK_ROWS)
@@ -495,7 +523,7 @@ def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, arch):
 
 @pytest.mark.parametrize("planes,split", [(2, True), (1, True), (1, False)])
 def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, split):
-    """sm_90a, 8-row route blocks at 3 stages (moe.UNSPLIT_SYNC_STAGES): the main loop holds one chunk a stage
+    """sm_90a, 8-row route blocks at 3 stages (moe.UNSPLIT_SYNC_PIPELINES): the main loop holds one chunk a stage
     (mainloop.chunk_unroll: static stage addresses), so it issues about as much a weight as at 2 stages, no spills."""
     from exl3tool import sass
     from exl3tool.kernels.trellis import mmas_per_tile

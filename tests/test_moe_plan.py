@@ -154,21 +154,30 @@ def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
     assert (shape.splits13, shape.splits2) == (2, 1)
 
 
-def test_unsplit_one_group_route_blocks_pipeline_three_stages_on_sm90():
-    """On sm_90 8-row mma.sync route blocks whose K is not split take 3 pipeline stages (moe.UNSPLIT_SYNC_STAGES:
-    H200 M=8-64 3-5% faster), split ones (M <= 4 here, a few stages a CTA) and everything else keep the layout's;
-    SM120 keeps 2. The 3 stages fit beside the rest of the CTA's shared memory."""
-    from exl3tool.ops.moe import gemm_config, sync_stages
+def test_unsplit_route_block_pipelines_on_sm90():
+    """On sm_90 8-row mma.sync route blocks whose K is not split take moe.UNSPLIT_SYNC_PIPELINES: 3 stages of 8
+    k-tiles at 4 warps (H200 M=8-64 3-5% faster), 2 of 16 at 8 warps (half the CTA barriers) where 16 k-tiles divide
+    the GEMM's K, else 3 of 8; split ones (M <= 4 here, a few stages a CTA) and everything else keep the layout's;
+    SM120 keeps 2 of 8. Each pipeline fits beside the rest of the CTA's shared memory."""
+    from exl3tool.ops.moe import block_warps, gemm_config, sync_pipeline
 
     d = moe()
     shapes = {m: step_shape(d, m, 132) for m in (1, 2, 4, 8, 16, 64)}
     assert [(m, s.block_rows, s.splits13, s.splits2) for m, s in shapes.items()] == [
         (1, 8, 4, 3), (2, 8, 3, 2), (4, 8, 3, 2), (8, 8, 1, 1), (16, 8, 1, 1), (64, 8, 1, 1)]
-    assert [sync_stages("sm_90a", 8, False, n) for n in (1, 2)] == [{"stages": 3}, {}]
-    assert sync_stages("sm_90a", 8, True, 1) == sync_stages("sm_90a", 32, False, 1) == {}
-    assert sync_stages("sm_120a", 8, False, 1) == {}
+    assert [block_warps(8, "mcg", False, m) for m in (8, 16, 64)] == [4, 8, 8]
+    sixteen, three = {"stages": 2, "k_tiles_per_stage": 16}, {"stages": 3}
+    assert [sync_pipeline("sm_90a", 8, 4, False, n, 128) for n in (1, 2)] == [three, {}]
+    assert [sync_pipeline("sm_90a", 8, 8, False, 1, k) for k in (128, 48, 56, 8)] == [sixteen, sixteen, three, three]
+    assert sync_pipeline("sm_90a", 8, 8, False, 3, 128) == sync_pipeline("sm_90a", 8, 8, True, 1, 128) == {}
+    assert sync_pipeline("sm_90a", 16, 8, False, 1, 128) == sync_pipeline("sm_90a", 32, 4, False, 1, 128) == {}
+    assert sync_pipeline("sm_120a", 8, 4, False, 1, 128) == sync_pipeline("sm_120a", 8, 8, False, 1, 128) == {}
     for planes in (1, 2):
-        assert gemm_config(4.0, "mcg", planes, 8, split_halves=True, **sync_stages("sm_90a", 8, False, 1)).stages == 3
+        cfg = gemm_config(4.0, "mcg", planes, 8, split_halves=True, **sync_pipeline("sm_90a", 8, 4, False, 1, 128))
+        assert (cfg.warps, cfg.stages, cfg.k_tiles_per_stage) == (4, 3, 8)
+        cfg = gemm_config(4.0, "mcg", planes, 8, tokens=16, split_halves=True,
+                          **sync_pipeline("sm_90a", 8, 8, False, 1, 128))
+        assert (cfg.warps, cfg.stages, cfg.k_tiles_per_stage) == (8, 2, 16)
 
 
 def test_large_route_blocks_take_warpgroup_mma_on_sm90a():

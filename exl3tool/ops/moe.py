@@ -154,15 +154,21 @@ SKIP_PADDING_TAIL = True
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
 FUSED_INTERMEDIATE_WAVES = 1.25
-# Pipeline stages of the mma.sync route blocks whose K is not split (each CTA runs the whole K: at hidden 2048 /
-# intermediate 768, 16 stages of gate/up, 6 of down), the main loop unrolled over them (mainloop.chunk_unroll); split
-# ones (2-8 stages a CTA: M <= 4) keep 2. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4
-# L2-cold copies, a process per variant, two each, y bit-identical, us (2 -> 3 stages): M=4 54.57 -> 53.98, M=8
-# 83.54 -> 79.61, M=16 119.43 -> 114.49, M=64 170.50 -> 166.37. Lost: split blocks at 3 (M=1 26.25 -> 27.56, M=2
-# 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128 208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93;
-# at 8 warps, s41: M=16 105.39 -> 107.83, M=64 155.06 -> 158.05; 16-row blocks at 3, M=96 192.81 -> 200.23).
-# SM120 keeps 2 (its 100 KB an SM would hold fewer CTAs; not measured). docs/perf.md, twenty-second session.
-UNSPLIT_SYNC_STAGES = {"sm_90": {8: 3}}
+# Pipelines (stages, k-tiles a stage) of the mma.sync route blocks whose K is not split (each CTA runs the whole K:
+# at hidden 2048 / intermediate 768, 16 stages of 8 k-tiles of gate/up, 6 of down), by (block rows, warps a CTA), in
+# order of preference: the first whose stage divides the GEMM's k-tiles. The main loop is unrolled over 3 or 4
+# stages (mainloop.chunk_unroll); split blocks (2-8 stages a CTA: M <= 4) keep the layout's 2 of 8. H200, E=128 top-8
+# 2048x768 K=4 mcg, layer graph over L2-cold copies, a process per variant, y bit-identical, us:
+# - 3 stages of 8 (4 warps, 2 -> 3): M=4 54.57 -> 53.98, M=8 83.54 -> 79.61, M=16 119.43 -> 114.49, M=64 170.50 ->
+#   166.37. Lost: split blocks at 3 (M=1 26.25 -> 27.56, M=2 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128
+#   208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93; at 8 warps, s41: M=16 105.39 -> 107.83, M=64
+#   155.06 -> 158.05; 16-row blocks at 3, M=96 192.81 -> 200.23) (docs/perf.md, twenty-second session).
+# - 2 stages of 16 at 8 warps (half the CTA barriers, which ncu puts at 17% of the warps' stalled cycles at M=16;
+#   50 KB, still four CTAs an SM): M=16 104.44 -> 103.27, M=64 155.98 -> 154.26; 16-row blocks lost (64 KB, three
+#   CTAs an SM: M=128 198.43 -> 207.24) (docs/perf.md, forty-second session).
+# SM120 keeps 2 of 8 (its 100 KB an SM would hold fewer CTAs; not measured).
+UNSPLIT_SYNC_PIPELINES = {"sm_90": {(8, 4): (dict(stages=3),),
+                                    (8, 8): (dict(stages=2, k_tiles_per_stage=16), dict(stages=3))}}
 # Launch bounds of the mma.sync route blocks' GEMMs, by (block rows, planes): CTAs an SM that ptxas must fit
 # (MoEGemmConfig.min_ctas_per_sm); none. The 32-row gate/up GEMM's fused intermediate takes it to 80 registers on
 # sm_90a (3 CTAs of 8 warps an SM); {(32, 2): 4} compiles it to 64 (13 spills in the tail, a 4.6% longer main
@@ -487,11 +493,21 @@ def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma:
                           **gemm_layout(block_rows, codebook, wgmma, tokens), **fields)
 
 
-def sync_stages(arch: str, block_rows: int, wgmma: bool, splits: int) -> dict:
-    """gemm_config's pipeline stages for a route block's GEMM of ``splits`` K splits on ``arch``:
-    UNSPLIT_SYNC_STAGES where it applies, else none given (the layout's)."""
-    stages = None if wgmma or splits > 1 else UNSPLIT_SYNC_STAGES.get(arch.rstrip("af"), {}).get(block_rows)
-    return {} if stages is None else {"stages": stages}
+def block_warps(block_rows: int, codebook: str, wgmma: bool, tokens: int) -> int:
+    """Warps a CTA of a route block's GEMM (its layout's)."""
+    return gemm_layout(block_rows, codebook, wgmma, tokens).get("warps", MoEGemmConfig.warps)
+
+
+def sync_pipeline(arch: str, block_rows: int, warps: int, wgmma: bool, splits: int, k_tiles: int) -> dict:
+    """gemm_config's pipeline fields for a route block's GEMM of ``splits`` K splits over ``k_tiles`` on ``arch``:
+    the first of UNSPLIT_SYNC_PIPELINES' choices whose stage divides ``k_tiles`` where they apply, else none given
+    (the layout's)."""
+    if wgmma or splits > 1:
+        return {}
+    for fields in UNSPLIT_SYNC_PIPELINES.get(arch.rstrip("af"), {}).get((block_rows, warps), ()):
+        if k_tiles % fields.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage) == 0:
+            return dict(fields)
+    return {}
 
 
 def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = None) -> StepShape:
@@ -502,7 +518,7 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts, largest)
     # split-K's estimate: the first group's layout
     layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch), tokens)
-    warps = layout.get("warps", MoEGemmConfig.warps)
+    warps = block_warps(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch), tokens)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block
     blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
@@ -651,13 +667,15 @@ class MoEPlan:
             early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
             early13 = early_gate_up(tokens, resident, wgmma)
             first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
+            warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
+            warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)
             g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
-                              **sync_stages(arch, s.block_rows, wgmma, s.splits13),
+                              **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
                               x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
                               next_after_loop=early, group_first=first, weights_before_wait=early13,
                               ready_signal=s.ready_counters)
             g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
-                             **sync_stages(arch, s.block_rows, wgmma, s.splits2),
+                             **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
                              weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
             rot = None if resident else K.compiled(
                 replace(self.input_rotation(g, wgmma, order13, lane_values, slot_groups), early_next=early13), arch)

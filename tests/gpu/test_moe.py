@@ -451,17 +451,18 @@ def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, n
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (4, 8, 16)), ("two-groups-k3-k5", (16,)),
                                      ("k3.5-mul1-shared-gated", (8,))])
 def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, monkeypatch):
-    """8-row mma.sync route blocks whose K is not split pipeline 3 stages (moe.UNSPLIT_SYNC_STAGES, here for this
-    GPU's arch), split ones 2: the same MMAs in the same order, so y is bit-identical to 2 stages everywhere, eagerly
-    and in graph replay."""
+    """8-row mma.sync route blocks whose K is not split pipeline 3 stages (moe.UNSPLIT_SYNC_PIPELINES, here 3 of 8
+    for both CTA sizes on this GPU's arch), split ones 2: the same MMAs in the same order, so y is bit-identical to 2
+    stages everywhere, eagerly and in graph replay."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    three = {moe_ops.target_arch(torch.device("cuda")).rstrip("af"): {8: 3}}
+    three = {moe_ops.target_arch(torch.device("cuda")).rstrip("af"): {(8, 4): (dict(stages=3),),
+                                                                      (8, 8): (dict(stages=3),)}}
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for on in (True, False):
             # 4 warps at M = 4 (not moe.EIGHT_WARP_SMALL_BLOCK_TOKENS' 8): gate/up splits K, down runs all of it
-            settings = {"UNSPLIT_SYNC_STAGES": three if on else {}, "EIGHT_WARP_SMALL_BLOCK_TOKENS": ()}
+            settings = {"UNSPLIT_SYNC_PIPELINES": three if on else {}, "EIGHT_WARP_SMALL_BLOCK_TOKENS": ()}
             y, made, plan = layer_with(monkeypatch, dmoe, x, settings)
             shape = plan.step(m, False).shape
             splits = {2: shape.splits13, 1: shape.splits2}  # by planes: gate/up, down
@@ -469,6 +470,25 @@ def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, mon
             assert [c.stages for c in made] == [3 if on and splits[c.planes] == 1 else 2 for c in made]
             outs.append(y)
         assert torch.equal(outs[0], outs[1]), (name, m)
+
+
+@pytest.mark.parametrize("m", [16, 64])
+def test_sixteen_k_tile_stages_change_no_bit(synthetic, m, monkeypatch):
+    """The unsplit GEMMs of 8-warp 8-row route blocks pipeline 2 stages of 16 k-tiles (moe.UNSPLIT_SYNC_PIPELINES on
+    sm_90; here on this GPU's arch either way) instead of 3 of 8: the same MMAs in the same order, so y is
+    bit-identical, eagerly and in graph replay."""
+    dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    arch = moe_ops.target_arch(torch.device("cuda")).rstrip("af")
+    outs = []
+    for pipeline in (dict(stages=2, k_tiles_per_stage=16), dict(stages=3)):
+        y, made, plan = layer_with(monkeypatch, dmoe, x, {"UNSPLIT_SYNC_PIPELINES": {arch: {(8, 8): (pipeline,)}}})
+        shape = plan.step(m, False).shape
+        assert (shape.block_rows, shape.splits13, shape.splits2) == (8, 1, 1)
+        assert [(c.warps, c.stages, c.k_tiles_per_stage) for c in made] == [
+            (8, pipeline["stages"], pipeline.get("k_tiles_per_stage", 8))] * 2
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
 
 
 def assert_no_bit_changes(monkeypatch, dmoe, x, module, attribute, values, check) -> None:
