@@ -163,9 +163,10 @@ FUSED_INTERMEDIATE_WAVES = 1.25
 #   166.37. Lost: split blocks at 3 (M=1 26.25 -> 27.56, M=2 36.82 -> 38.26), 16- and 32-row blocks at 3 (M=128
 #   208.1 -> 216.8, M=256 252.2 -> 261.3), 4 stages (M=16 116.93; at 8 warps, s41: M=16 105.39 -> 107.83, M=64
 #   155.06 -> 158.05; 16-row blocks at 3, M=96 192.81 -> 200.23) (docs/perf.md, twenty-second session).
-# - 2 stages of 16 at 8 warps (half the CTA barriers, which ncu puts at 17% of the warps' stalled cycles at M=16;
-#   50 KB, still four CTAs an SM): M=16 104.44 -> 103.27, M=64 155.98 -> 154.26; 16-row blocks lost (64 KB, three
-#   CTAs an SM: M=128 198.43 -> 207.24) (docs/perf.md, forty-second session).
+# - 2 stages of 16 at 8 warps (half the CTA barriers, which ncu puts at 17% of the warps' cycles at M=16; 50 KB,
+#   still four CTAs an SM), two calls, three rounds each: M=16 104.44 -> 103.27 and 104.58 -> 104.23, M=32 128.39 ->
+#   127.44, M=64 155.98 -> 154.26 and 155.33 -> 152.95; 16-row blocks lost (64 KB, three CTAs an SM: M=128 198.43 ->
+#   207.24) (docs/perf.md, forty-second session).
 # SM120 keeps 2 of 8 (its 100 KB an SM would hold fewer CTAs; not measured).
 UNSPLIT_SYNC_PIPELINES = {"sm_90": {(8, 4): (dict(stages=3),),
                                     (8, 8): (dict(stages=2, k_tiles_per_stage=16), dict(stages=3))}}
