@@ -69,11 +69,17 @@ def test_packing_fits_the_planned_blocks(tokens, shared):
         assert all(block_expert[rows[r] // shape.block_rows] == flat[r] for r in range(ids.size))
 
 
-@pytest.mark.parametrize("k_tiles,stage", [(128, 8), (48, 8), (256, 8), (8, 8)])
+@pytest.mark.parametrize("k_tiles,stage", [(128, 8), (48, 8), (256, 8), (8, 8), (128, 16), (48, 16)])
 def test_split_k_covers_k_in_whole_stages(k_tiles, stage):
     for splits in range(1, 17):
         per = _per_split(k_tiles, splits, stage)
         assert per % stage == 0 and per * splits >= k_tiles
+
+
+def test_split_k_refuses_a_k_of_partial_stages():
+    """16-k-tile stages do not divide every K (56 k-tiles: in_p 896): the last split's 8 would go unread."""
+    with pytest.raises(ValueError, match="not a whole number of 16-k-tile stages"):
+        _per_split(56, 1, 16)
 
 
 def test_block_rows_grow_with_the_routes_per_expert():

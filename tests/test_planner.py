@@ -202,3 +202,12 @@ def test_split_halves_up_to_the_planned_token_groups(monkeypatch):
     assert plan(16).split_halves and plan(16).x_order == "doubled" and plan(16).token_groups == 2
     assert not plan(32).split_halves
     assert targets.split_halves("sm_90a", "mcg", 2, 4.0) and not targets.split_halves("sm_90a", "mul1", 2, 4.0)
+
+
+def test_a_stage_that_does_not_divide_k_is_refused():
+    """A tuning override of 16 k-tiles a stage on a K of 56 k-tiles (in_p 896) would leave the last split's 8 unread:
+    the planner refuses it; the same stage on a K of 64 plans."""
+    with pytest.raises(ValueError, match="not a whole number of 16-k-tile stages"):
+        plan_gemm(16, linear(896, 4096), 132, arch="sm_120a", k_tiles_per_stage=16)
+    plan = plan_gemm(16, linear(1024, 4096), 132, arch="sm_120a", k_tiles_per_stage=16)
+    assert plan.config.k_tiles_per_stage == 16 and plan.k_tiles_per_split % 16 == 0

@@ -42,7 +42,7 @@ from exl3tool.ops import moe_kernels as K
 from exl3tool.ops import targets
 from exl3tool.ops.launch import to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
-from exl3tool.ops.targets import WGMMA_LAYOUT, decode_warps, has_wgmma, split_halves
+from exl3tool.ops.targets import WGMMA_LAYOUT, check_whole_stages, decode_warps, has_wgmma, split_halves
 from exl3tool.ops.workspace import counters
 
 CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
@@ -734,6 +734,7 @@ def persistent(args: tuple) -> tuple:
 def _per_split(k_tiles: int, splits: int, stage: int) -> int:
     """k-tiles per split (whole stages) so that exactly ``splits`` splits cover k_tiles; later ones may be empty
     (they write zeros), so every group fills the same partials."""
+    check_whole_stages(k_tiles, stage)
     return math.ceil(k_tiles / splits / stage) * stage
 
 

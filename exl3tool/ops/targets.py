@@ -184,12 +184,21 @@ def has_wgmma(arch: str | None) -> bool:
     return arch is not None and arch.rstrip("af") in WGMMA_ARCHS
 
 
+def check_whole_stages(k_tiles: int, stage: int) -> None:
+    """A GEMM's main loop runs whole stages of ``stage`` k-tiles in each K split: ``k_tiles`` must be a whole number
+    of them, or the last split's remainder would go unread. Stages of up to 8 divide every K (in_p/16 is a multiple
+    of 8); 16 does not."""
+    if k_tiles % stage:
+        raise ValueError(f"K of {k_tiles} k-tiles is not a whole number of {stage}-k-tile stages")
+
+
 def split_k(k_tiles: int, stage: int, ctas_per_split: int, slots: int, sm_count: int,
             max_per_split: int | None = None, fill: float = 1.0) -> int:
     """k-tiles per split (a multiple of ``stage``, at least two stages unless K is shorter, at most
     ``max_per_split``): the grid fills at least ``fill`` x ``slots`` (= resident CTAs x SMs, one whole wave) where
     K allows, and among those sizes the one whose busiest SM streams the least (ceil(CTAs / SMs) x (tiles + fixed
     cost)); ties go to fewer splits."""
+    check_whole_stages(k_tiles, stage)
     longest = stage * -(-k_tiles // stage)
     if max_per_split is not None:
         longest = min(longest, max_per_split // stage * stage)
