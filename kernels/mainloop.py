@@ -247,15 +247,19 @@ def decode_mma_loop(
     x_rows: Int32 = 0,
     mma_groups: cutlass.Constexpr = None,
     wait: cutlass.Constexpr = None,
+    group_loops: cutlass.Constexpr = None,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
     which tile column and token group each of its 4-register groups holds. ``sW, sX, sDec`` from ``allocate_smem``.
     In "stages" order ``x_rows`` is X's row count (a whole number of route blocks: no bound on ``tokens``).
-    ``mma_groups`` (warpgroup MMAs): only the first ``mma_groups`` token groups are multiplied (whole MMAs), the
-    accumulators of the rest stay as they were. ``wait`` (mma.sync with X staged): the PDL wait, which the loop
-    calls after it has issued the weight copies of the stages it loads ahead and before their X copies (the caller
-    vouches that the weights and ``gW_addr`` need no output of the kernel before)."""
+    ``mma_groups`` (warpgroup MMAs, and mma.sync with private decode): only the first ``mma_groups`` token groups
+    are multiplied (whole MMAs), the accumulators of the rest stay as they were. ``wait`` (mma.sync with X staged):
+    the PDL wait, which the loop calls after it has issued the weight copies of the stages it loads ahead and before
+    their X copies (the caller vouches that the weights and ``gW_addr`` need no output of the kernel before).
+    ``group_loops`` (mma.sync with private decode): ``(count, counts)``; ``count()``, called after that wait, gives
+    the token groups that hold routes (1 .. token_groups, at run time), and the main loop is compiled once for each
+    of the ascending group ``counts`` (the last: token_groups) and run for the first that covers it."""
     threads = 32 * cfg.warps
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -297,8 +301,27 @@ def decode_mma_loop(
 
     word_idx, shift = lane_word_indices(plan, lane)
     consts = codebook_constants(cfg.codebook, ptx)
-    w_lane = warp * plan.words_per_tile
+    loop_args = (cfg, plan, acc, sW, sX, sDec, copies, n_chunks, ahead_stages, word_idx, shift, consts, warp, lane)
+    if cutlass.const_expr(group_loops is None):
+        chunk_loop(*loop_args, mma_groups)
+    else:
+        count_live, counts = group_loops
+        live = count_live()  # after the wait: what the kernel before wrote is visible
+        for i in cutlass.range_constexpr(len(counts)):
+            if live <= counts[i] and live > (counts[i - 1] if i > 0 else 0):
+                chunk_loop(*loop_args, counts[i])
 
+
+@cute.jit
+def chunk_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor,
+               sDec, copies, n_chunks: Int32, ahead_stages: cutlass.Constexpr, word_idx, shift, consts, warp: Int32,
+               lane: Int32, mma_groups: cutlass.Constexpr = None):
+    """``decode_mma_loop``'s main loop over the chunks, once its first stages are issued: each chunk waits for its
+    stage, issues the copies of the stage ``ahead_stages`` on and decodes and multiplies its k-tiles."""
+    wgmma = cfg.mma == "wgmma"
+    bulk = cfg.x_order == "stages"
+    sX_addr = sX.iterator.toint()
+    w_lane = warp * plan.words_per_tile
     for chunk in cutlass.range(n_chunks, unroll=chunk_unroll(cfg)):
         if cutlass.const_expr(wgmma):
             # the MMAs of chunk - 2 are done: its stage may be refilled after the barrier (rolled: of chunk - 1 too,
@@ -327,7 +350,7 @@ def decode_mma_loop(
             shared_decode_mma(cfg, plan, acc, sW, sX, sDec.iterator.toint(), w_stage, x_stage, word_idx, shift,
                               consts, warp, lane)
         else:
-            private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane)
+            private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane, mma_groups)
     if cutlass.const_expr(wgmma):
         ptx.wgmma_wait(0)  # acc is final
 
@@ -418,9 +441,9 @@ def lane_words(cfg, sW, w_stage, kk, word_idx):
     return [sW[w_stage + kk * cfg.w_row_words + i] for i in word_idx]
 
 
-def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane):
-    """One stage: each k-tile of this warp's tile column decoded into A registers and multiplied by all the
-    CTA's token groups. Traced inline."""
+def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane, mma_groups=None):
+    """One stage: each k-tile of this warp's tile column decoded into A registers and multiplied by the CTA's
+    token groups (the first ``mma_groups`` of them, if given). Traced inline."""
     sX_addr = sX.iterator.toint()
     g = lane // 4
     q = lane % 4
@@ -431,7 +454,7 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
             halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
         else:
             a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
-        for mt in range(cfg.token_groups):
+        for mt in range(cfg.token_groups if mma_groups is None else mma_groups):
             row = 0 if cfg.input is not None else (mt * 8 + g) * cfg.x_row_words  # resident: the one token
             b = load_b(cfg, sX, sX_addr, x_stage + row, kk, q, b_words, mt)
             if cutlass.const_expr(cfg.split_halves):

@@ -30,6 +30,10 @@ With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k
 padding (``row_route`` -1; a block's routes are its first rows) runs a second copy of the main loop without the
 N = 64 MMAs, and skips the partials of rows 256 .., which nothing reads.
 
+With ``group_loops`` (mma.sync blocks of several token groups) the main loop is compiled once for each listed count
+of token groups, and a block runs the first that covers its groups holding routes (counted from ``row_route`` after
+the PDL wait), storing only their partials: padding rows cost no MMAs.
+
 With ``weights_before_wait`` (down, behind a gate/up GEMM with ``next_after_loop``: each of its CTAs lets this
 launch go once its partials are written; gate/up from 16 tokens on, behind an input rotation with ``early_next``)
 a CTA reads its block's expert and issues its first weight stage before its PDL wait, and X's after it: the
@@ -91,6 +95,11 @@ class MoEGemmConfig:
     # Warpgroup MMAs over more than 256 rows: a block whose row 256 is padding (row_route -1; a block's routes
     # are its first rows) skips the MMAs and the partials' stores of rows 256 .. (nothing reads padding rows).
     skip_padding_tail: bool = False
+    # mma.sync with private decode over more than one token group: the main loop is compiled for each of these
+    # ascending token-group counts (the last: token_groups), and a block runs the first that covers its groups that
+    # hold routes (row_route of a group's first row >= 0; a block's routes are its first rows), storing only those
+    # groups' partials (nothing reads padding rows). Empty: every block multiplies every group.
+    group_loops: tuple[int, ...] = ()
     # PDL, for the GEMM before one with ``weights_before_wait``: each CTA lets the next kernel launch once its
     # partials are written (before the fused tail), so that one's CTAs load their weights during that tail.
     next_after_loop: bool = False
@@ -139,6 +148,11 @@ class MoEGemmConfig:
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
+        if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
+                                 or self.input is not None or self.group_loops[-1] != self.token_groups
+                                 or list(self.group_loops) != sorted(set(self.group_loops)) or self.group_loops[0] < 1):
+            raise ValueError("group_loops: ascending token-group counts up to token_groups, for mma.sync with private "
+                             "decode over more than one token group")
         self.mainloop  # validates the rest, including the shared-memory limit
         limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
         if self.skip_padding_tail and (self.mma != "wgmma" or self.token_groups <= WGMMA_MAX_GROUPS or self.input):
@@ -159,6 +173,12 @@ class MoEGemmConfig:
         """Column order of the M = 1 prologue's resident row: doubled for split halves (no HADD2 per B word in the
         loop), else ``x_order``."""
         return "doubled" if self.split_halves else self.x_order
+
+    @property
+    def takes_row_route(self) -> bool:
+        """Does the kernel take row_route (the route of each packed row, -1 for padding)?"""
+        return bool(self.intermediate_splits or self.input is not None or self.skip_padding_tail
+                    or self.group_loops)
 
     @property
     def tokens_per_cta(self) -> int:
@@ -314,7 +334,12 @@ class MoEGemm(DecodeGemmKernel):
                     wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
                 loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
                              tok0, rows, k_begin, n_chunks, None, rows)
-                if cutlass.const_expr(cfg.skip_padding_tail):
+                if cutlass.const_expr(cfg.group_loops):
+                    # a main loop per count of route-holding groups (a predicate per group and k-tile would still
+                    # issue the skipped MMAs and loads), picked after the wait: the input rotation writes row_route
+                    count = lambda: live_groups(mRowRoute, tok0, cfg.token_groups)  # noqa: E731
+                    decode_mma_loop(*loop_args, None, wait, (count, cfg.group_loops))
+                elif cutlass.const_expr(cfg.skip_padding_tail):
                     # A main loop of each kind, chosen per block: in one loop with the tail MMAs behind a predicate
                     # ptxas fenced every MMA apart (C7519: a warpgroup.arrive each). H200, E=128 top-8 2048x768 K=4
                     # mcg, layer graph, y bit-identical, us: M=4096 1095.28 -> 1056.51, M=8192 2155.10 -> 2079.45.
@@ -329,7 +354,14 @@ class MoEGemm(DecodeGemmKernel):
                 groups = acc_groups(main, warp)
                 skippable = [cfg.skip_padding_tail and group >= WGMMA_MAX_GROUPS for _, _, group in groups]
                 head = [g for g, skip in zip(groups, skippable) if not skip]
-                store_partials(mP, acc, head, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
+                if cutlass.const_expr(cfg.group_loops):
+                    live = live_groups(mRowRoute, tok0, cfg.token_groups)  # again: not held across the loop
+                    for i in cutlass.range_constexpr(len(head)):
+                        if head[i][2] < live:
+                            store_partials(mP, acc, head[i : i + 1], split, plane * n_col_tiles * 16, col_tile0,
+                                           tok0, lane)
+                else:
+                    store_partials(mP, acc, head, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
                 if cutlass.const_expr(cfg.skip_padding_tail):
                     if tail_run != 0:
                         tail = [g for g, skip in zip(groups, skippable) if skip]
@@ -371,6 +403,15 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
+
+
+def live_groups(mRowRoute, tok0, token_groups: int):
+    """How many of the route block's token groups (from packed row ``tok0``) hold routes: the first, which every
+    used block's does, and each whose first row is a route (a block's routes are its first rows). Traced inline."""
+    live = Int32(1)
+    for g in range(1, token_groups):
+        live += cutlass.select_(mRowRoute[tok0 + 8 * g] >= 0, Int32(1), Int32(0))
+    return live
 
 
 def block_ready_counter(mCounter, mBlockExpert, n_ib, blk):

@@ -532,3 +532,26 @@ def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, sp
     three, two = sass.gemm_report(cfg, "sm_90a"), sass.gemm_report(dataclasses.replace(cfg, stages=2), "sm_90a")
     assert cfg.stages == 3 and three.main_loop.mmas == 3 * cfg.k_tiles_per_stage * mmas_per_tile(split)
     assert three.per_weight <= two.per_weight + 0.06 and three.spill_instructions == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("rows", sorted(moe_ops.GROUP_LOOPS))
+def test_route_blocks_compile_a_main_loop_for_each_group_count(arch, rows):
+    """moe.GROUP_LOOPS (the M = 65-256 plan: gate/up with its fused intermediate, ready signal and weights before its
+    wait, down waiting for its block): one main loop for each count of token groups in the list, each with that
+    count's MMAs, so the kernel holds sum(counts) / groups times the MMAs of one that multiplies every group, within
+    SM120's shared memory. On sm_90a no spills and no fewer CTAs an SM than that kernel by registers."""
+    from exl3tool import sass
+    from exl3tool.ops.targets import resident_ctas
+
+    loops = moe_ops.GROUP_LOOPS[rows]
+    for planes, fields in ((2, dict(intermediate_splits=1, ready_signal=True, weights_before_wait=True,
+                                    x2_order=x_order(rows))), (1, dict(ready_wait=True))):
+        cfg = gemm_config(4.0, "mcg", planes, rows, tokens=256, **fields)
+        every = dataclasses.replace(cfg, group_loops=())
+        assert cfg.group_loops == loops and cfg.smem_bytes <= SMEM_LIMIT_BYTES
+        assert ptx_of(cfg, arch).count(MMA) * cfg.token_groups == ptx_of(every, arch).count(MMA) * sum(loops) > 0
+        if arch == "sm_90a":
+            new, old = sass.gemm_report(cfg, arch), sass.gemm_report(every, arch)
+            ctas = [resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, k.registers) for k in (new, old)]
+            assert new.spill_instructions == 0 and ctas[0] >= ctas[1], (planes, new.registers, old.registers)

@@ -244,3 +244,29 @@ def test_topk_sum_blocks_per_cta_leave_eight_ctas_per_sm(monkeypatch):
         assert m * 16 / per_cta >= 8 * 132 or per_cta == 1
     monkeypatch.setattr(moe_ops, "SUM_BLOCKS_PER_CTA", 1)
     assert sum_blocks_per_cta(4096, 16, 132) == 1
+
+
+def test_mma_sync_route_blocks_of_several_groups_skip_their_empty_ones():
+    """moe.GROUP_LOOPS: the 16- and 32-row mma.sync route blocks (M = 65-256 at E=128 top-8) compile a main loop for
+    each listed count of token groups and read row_route to pick one; 8-row blocks (one group) and warpgroup-MMA
+    blocks do not. MoEGemmConfig refuses counts that are not ascending up to the block's groups, and the skip where
+    it has no meaning."""
+    import dataclasses
+
+    from exl3tool.ops.moe import gemm_config
+
+    assert moe_ops.GROUP_LOOPS == {16: (1, 2), 32: (2, 4)}
+    for rows in (8, 16, 32):
+        for planes in (2, 1):
+            cfg = gemm_config(4.0, "mcg", planes, rows, tokens=256)
+            assert cfg.group_loops == moe_ops.GROUP_LOOPS.get(rows, ()) and cfg.takes_row_route == (rows > 8)
+    assert gemm_config(4.0, "mcg", 2, 64, True).group_loops == ()
+    assert gemm_config(4.0, "mcg", 2, 8, intermediate_splits=1).group_loops == ()
+    cfg = gemm_config(4.0, "mcg", 1, 32, tokens=256)
+    for wrong in (dict(group_loops=(2, 3)), dict(group_loops=(4, 2, 4)), dict(group_loops=(0, 4)),
+                  dict(group_loops=(2, 2, 4)), dict(token_groups=1, group_loops=(1,)),
+                  dict(mma="wgmma", token_groups=8, warps=8, group_loops=(4, 8)),
+                  dict(warp_cols=4, token_groups=16, group_loops=(8, 16)),
+                  dict(planes=2, input="float16", resident_k_tiles=32)):
+        with pytest.raises(ValueError, match="group_loops"):
+            dataclasses.replace(cfg, **wrong)

@@ -144,6 +144,15 @@ MBARRIER_MIN_ROWS = 320
 # predicate; as a second main loop without them (s28, kernels.moe_gemm) M=4096 1095.28 -> 1056.51, M=8192 2155.10 ->
 # 2079.45 against that predicate (no-skip blocks not measured again).
 SKIP_PADDING_TAIL = True
+# mma.sync route blocks of these sizes multiply only their token groups that hold routes, rounded up to one of these
+# counts (MoEGemmConfig.group_loops: a main loop compiled for each, picked per block), and store only those groups'
+# partials. At M=256 a 32-row block holds 16 routes on average, so half its MMAs and B loads were padding. H200,
+# E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds each, y bit-identical, us (every group -> skip): M=96
+# (16-row blocks) 192.88 -> 182.38, M=128 196.86 -> 190.19, M=256 240.32 -> 227.88. Counts of 32-row blocks, another
+# call: (2, 4) / (1, 2, 3, 4) / (2, 3, 4) M=160 207.50 / 208.60 / 209.72, M=192 211.92 / 211.89 / 213.03, M=256
+# 227.30 / 225.89 / 226.24, within the spreads (up to 2.0); (2, 4) keeps down at 60 registers (sm_90a; 68 with every
+# count, three CTAs an SM instead of four) and gate/up at 68 (80 before) (docs/perf.md, forty-third session).
+GROUP_LOOPS = {16: (1, 2), 32: (2, 4)}
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is short: at most FUSED_INTERMEDIATE_WAVES waves of CTAS_PER_SM a SM, counting the blocks of
 # the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last one's
@@ -489,6 +498,7 @@ def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma:
     fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma))
     fields.setdefault("mbarriers", wgmma and block_rows >= MBARRIER_MIN_ROWS)
     fields.setdefault("skip_padding_tail", SKIP_PADDING_TAIL and wgmma and block_rows > 8 * WGMMA_MAX_GROUPS)
+    fields.setdefault("group_loops", () if wgmma else GROUP_LOOPS.get(block_rows, ()))
     fields.setdefault("min_ctas_per_sm", 0 if wgmma else MIN_CTAS_PER_SM.get((block_rows, planes), 0))
     return fitting_config(MoEGemmConfig, bits=bits, codebook=codebook, planes=planes, token_groups=block_rows // 8,
                           **gemm_layout(block_rows, codebook, wgmma, tokens), **fields)
@@ -686,7 +696,7 @@ class MoEPlan:
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
             # (row_route also when the GEMM writes it), the prologue's suh rows and route indices
-            tail = (None, None, row_route if resident or g13.skip_padding_tail else None, None, 0)
+            tail = (None, None, row_route if g13.takes_row_route or resident else None, None, 0)
             if s.fused_intermediate:
                 # the (block, 128 columns of I) arrival counters, then with ready_counters one per block
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
@@ -705,15 +715,12 @@ class MoEPlan:
             if not s.fused_intermediate:
                 step.launches.append((K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert,
                                                                      g.group_row, g.intermediate, s.block_rows)))
-            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, per2)
-            if g2.skip_padding_tail:
-                down += (None, None, row_route, None, 0)
-            if topk_fused:  # the sum's arguments: counters, ids, route_row, down_svh, svh_row, weights, y
+            if topk_fused:
                 g2 = replace(g2, topk_sum=topk)
-                down += (None, None, None, counter if g2.ready_wait else None, 0, None, None, ids, route_row,
-                         d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
-            elif g2.ready_wait:
-                down += (None, None, None, counter, 0)
+            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, per2,
+                    None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
+            if topk_fused:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters
+                down += (None, None, ids, route_row, d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))
         if not topk_fused:
             step.launches.append((K.launch_topk_sum, K.compiled(topk, arch), (p2, d.down_svh, d.svh_row, ids,

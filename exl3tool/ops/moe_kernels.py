@@ -57,8 +57,7 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     inter = [None] * 2
     if cfg.intermediate_splits:  # rotations, X2
         inter = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None)]
-    takes_rows = cfg.intermediate_splits or cfg.input is not None or cfg.skip_padding_tail
-    row_route = fake_tensor(I32, rows) if takes_rows else None
+    row_route = fake_tensor(I32, rows) if cfg.takes_row_route else None
     counter = fake_tensor(I32, None) if cfg.intermediate_splits or cfg.ready_wait else None
     sum_counter = fake_tensor(I32, None) if cfg.topk_sum is not None else None
     return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk + [sum_counter],

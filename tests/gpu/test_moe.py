@@ -620,6 +620,51 @@ def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
     assert rel(outs[True][2], reference_given(reader, moe, x, given.long(), weights)) < MAX_REL
 
 
+@pytest.mark.parametrize("m,rows,loops", [(256, 32, (2, 4)), (256, 32, (1, 2, 3, 4)), (96, 16, (1, 2))])
+def test_skipping_empty_token_groups_changes_no_bit(synthetic, m, rows, loops, monkeypatch):
+    """16- and 32-row mma.sync route blocks multiply only their token groups that hold routes, rounded up to a count
+    of the main loops compiled, and store only their partials (moe.GROUP_LOOPS): y bit-identical to blocks that
+    multiply every group, with the scratch NaN-poisoned (nothing reads a padding row), for the router's routes and
+    for given ones that put 0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33 and 65 routes on single experts (each
+    group edge of a block, and a second and third block), and within MAX_REL of the reference."""
+    reader = synthetic("qwen3-30b-shape-k4-mcg")
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    k, e = moe.routing.top_k, moe.num_experts
+    edges = [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 65]
+    rest = m * k - sum(edges)
+    counts = edges + [rest // (e - len(edges)) + (i < rest % (e - len(edges))) for i in range(e - len(edges))]
+    # expert ids sorted by expert, slot j of token t at position j*M + t: a token's slots are distinct experts
+    given = torch.repeat_interleave(torch.arange(e), torch.tensor(counts)).view(k, m).T.contiguous().int().cuda()
+    weights = torch.rand(m, k, device="cuda")
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    made, real = [], moe_ops.gemm_config
+    outs = {}
+    for skip in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(moe_ops, "GROUP_LOOPS", {rows: loops} if skip else {})
+            patch.setattr(moe_ops, "gemm_config", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+            made.clear()
+            plan = plan_moe(dmoe, m)
+            poison(plan)
+            routed = moe_forward(x, plan).clone()
+            poison(plan)
+            outs[skip] = routed, moe_forward(x, plan, topk_ids=given, topk_weights=weights).clone()
+            assert plan.step(m, False).shape.block_rows == rows and len(made) == 4
+            assert all(c.group_loops == (loops if skip else ()) and c.mma == "sync" for c in made)
+            if skip:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = moe_forward(x, plan, topk_ids=given, topk_weights=weights)
+                poison(plan)
+                graph.replay()
+                assert torch.equal(out, outs[True][1])
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+    assert not outs[True][0].isnan().any()
+    assert rel(outs[True][1], reference_given(reader, moe, x, given.long(), weights)) < MAX_REL
+
+
 def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
     """320-row route blocks hand their warpgroup-MMA stages over through mbarriers (moe.MBARRIER_MIN_ROWS,
     GemmConfig.mbarriers) instead of a CTA barrier per stage: the same MMAs in the same order, so y is bit-identical
