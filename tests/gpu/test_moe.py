@@ -578,6 +578,31 @@ def test_x_in_stages_order_changes_no_bit(synthetic, monkeypatch, largest):
     assert_no_bit_changes(monkeypatch, dmoe, x, targets, "WGMMA_STAGES_MIN_TOKENS", (256, 1 << 30), check)
 
 
+def given_routes(m: int, k: int, e: int, edges: list[int]) -> torch.Tensor:
+    """top-k ids (int32 [m, k], on the GPU) putting ``edges[i]`` routes on expert i and the rest evenly on the others:
+    expert ids sorted by expert, slot j of token t at position j*m + t, so a token's slots are distinct experts."""
+    rest = m * k - sum(edges)
+    counts = edges + [rest // (e - len(edges)) + (i < rest % (e - len(edges))) for i in range(e - len(edges))]
+    return torch.repeat_interleave(torch.arange(e), torch.tensor(counts)).view(k, m).T.contiguous().int().cuda()
+
+
+def routed_and_given(monkeypatch, dmoe, x, given, weights, settings: dict):
+    """((y for the router's routes, those routes' ids, y for the ``given`` ones), plan, GEMM configs planned) of the
+    layer with moe's ``settings``: a fresh plan, NaN-poisoned before each call."""
+    made, real = [], moe_ops.gemm_config
+    m = x.shape[0]
+    with monkeypatch.context() as patch:
+        for attribute, value in settings.items():
+            patch.setattr(moe_ops, attribute, value)
+        patch.setattr(moe_ops, "gemm_config", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+        plan = plan_moe(dmoe, m)
+        poison(plan)
+        routed = moe_forward(x, plan).clone()
+        ids = routes(plan, m)[0].clone()
+        poison(plan)
+        return (routed, ids, moe_forward(x, plan, topk_ids=given, topk_weights=weights).clone()), plan, made
+
+
 def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
     """320-row route blocks whose row 256 is padding skip their N = 64 MMAs and those rows' partial stores
     (moe.SKIP_PADDING_TAIL): y bit-identical to the blocks that compute every row, with the scratch NaN-poisoned
@@ -589,29 +614,14 @@ def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
     if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
         pytest.skip("320-row route blocks are sm_90a's")
     m, k, e = 4096, moe.routing.top_k, moe.num_experts
-    edges = [256, 257, 320, 321, 0, 1, 255, 640, 641]
-    rest = m * k - sum(edges)
-    counts = edges + [rest // (e - len(edges)) + (i < rest % (e - len(edges))) for i in range(e - len(edges))]
-    # expert ids sorted by expert, slot j of token t at position j*M + t: a token's slots are distinct experts
-    given = torch.repeat_interleave(torch.arange(e), torch.tensor(counts)).view(k, m).T.contiguous()
-    given = given.int().cuda()
+    given = given_routes(m, k, e, [256, 257, 320, 321, 0, 1, 255, 640, 641])
     weights = torch.rand(m, k, device="cuda")
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    made, real = [], moe_ops.gemm_config
     outs = {}
     for skip in (True, False):
-        with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "SKIP_PADDING_TAIL", skip)
-            patch.setattr(moe_ops, "gemm_config", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
-            made.clear()
-            plan = plan_moe(dmoe, m)
-            poison(plan)
-            routed = moe_forward(x, plan).clone()
-            ids = routes(plan, m)[0].clone()
-            poison(plan)
-            outs[skip] = routed, ids, moe_forward(x, plan, topk_ids=given, topk_weights=weights).clone()
-            assert plan.step(m, False).shape.block_rows == 320 and len(made) == 4
-            assert all(c.skip_padding_tail == skip for c in made)
+        outs[skip], plan, made = routed_and_given(monkeypatch, dmoe, x, given, weights, {"SKIP_PADDING_TAIL": skip})
+        assert plan.step(m, False).shape.block_rows == 320 and len(made) == 4
+        assert all(c.skip_padding_tail == skip for c in made)
     per_expert = torch.bincount(outs[True][1].flatten().long(), minlength=e)
     assert (per_expert <= 256).any() and (per_expert > 256).any()  # the router's routes take both kinds of block
     for a, b in zip(outs[True], outs[False]):
@@ -631,38 +641,26 @@ def test_skipping_empty_token_groups_changes_no_bit(synthetic, m, rows, loops, m
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
     k, e = moe.routing.top_k, moe.num_experts
-    edges = [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 65]
-    rest = m * k - sum(edges)
-    counts = edges + [rest // (e - len(edges)) + (i < rest % (e - len(edges))) for i in range(e - len(edges))]
-    # expert ids sorted by expert, slot j of token t at position j*M + t: a token's slots are distinct experts
-    given = torch.repeat_interleave(torch.arange(e), torch.tensor(counts)).view(k, m).T.contiguous().int().cuda()
+    given = given_routes(m, k, e, [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 65])
     weights = torch.rand(m, k, device="cuda")
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    made, real = [], moe_ops.gemm_config
     outs = {}
     for skip in (True, False):
-        with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "GROUP_LOOPS", {rows: loops} if skip else {})
-            patch.setattr(moe_ops, "gemm_config", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
-            made.clear()
-            plan = plan_moe(dmoe, m)
+        outs[skip], plan, made = routed_and_given(monkeypatch, dmoe, x, given, weights,
+                                                  {"GROUP_LOOPS": {rows: loops} if skip else {}})
+        assert plan.step(m, False).shape.block_rows == rows and len(made) == 4
+        assert all(c.group_loops == (loops if skip else ()) and c.mma == "sync" for c in made)
+        if skip:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = moe_forward(x, plan, topk_ids=given, topk_weights=weights)
             poison(plan)
-            routed = moe_forward(x, plan).clone()
-            poison(plan)
-            outs[skip] = routed, moe_forward(x, plan, topk_ids=given, topk_weights=weights).clone()
-            assert plan.step(m, False).shape.block_rows == rows and len(made) == 4
-            assert all(c.group_loops == (loops if skip else ()) and c.mma == "sync" for c in made)
-            if skip:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = moe_forward(x, plan, topk_ids=given, topk_weights=weights)
-                poison(plan)
-                graph.replay()
-                assert torch.equal(out, outs[True][1])
+            graph.replay()
+            assert torch.equal(out, outs[True][2])
     for a, b in zip(outs[True], outs[False]):
         assert torch.equal(a, b)
     assert not outs[True][0].isnan().any()
-    assert rel(outs[True][1], reference_given(reader, moe, x, given.long(), weights)) < MAX_REL
+    assert rel(outs[True][2], reference_given(reader, moe, x, given.long(), weights)) < MAX_REL
 
 
 def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
