@@ -694,9 +694,11 @@ class MoEPlan:
                 intermediate_config(s.splits13, order2, i_p // 128), arch)
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
+            if resident:
+                g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13)
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
-            # (row_route also when the GEMM writes it), the prologue's suh rows and route indices
-            tail = (None, None, row_route if g13.takes_row_route or resident else None, None, 0)
+            # (row_route also when the GEMM reads or writes it), the prologue's suh rows and route indices
+            tail = (None, None, row_route if g13.takes_row_route else None, None, 0)
             if s.fused_intermediate:
                 # the (block, 128 columns of I) arrival counters, then with ready_counters one per block
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
@@ -705,9 +707,7 @@ class MoEPlan:
             prologue = (g.gate_suh, g.up_suh, ids, route_row) if resident else ()
             gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
                        *tail, *prologue)
-            if resident:
-                g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13)
-            else:
+            if not resident:
                 step.launches.append((K.launch_input_rotation, rot, (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank,
                                                                      self.expert_row, g.group_row, row_route,
                                                                      route_row)))
