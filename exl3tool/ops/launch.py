@@ -28,6 +28,10 @@ from exl3tool.kernels.rotate import (
 from exl3tool.kernels.trellis import TrellisPlan
 from exl3tool.ops.runtime import compile_cached
 
+# The kernels' name of each activation dtype (their configs name dtypes by string: hashable, printable).
+KERNEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
 def fake_tensor(dtype, *shape, align: int = 16):
     """A fake contiguous row-major tensor for compiling: ints are static sizes, ``cute.sym_int()`` symbols are
     dynamic ones (pass one symbol to several tensors for sizes that must agree), None a fresh symbol."""

@@ -31,6 +31,7 @@ from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import SPLITS_IN_FLIGHT, InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves, x_stages_index
 from exl3tool.ops import fold, launch, targets
+from exl3tool.ops.launch import KERNEL_DTYPES
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import (
     WGMMA_LAYOUT,
@@ -51,7 +52,6 @@ DEQUANT_MIN_TOKENS = 129
 # and at M = 1 for any N: one row makes the tail short (4096x14336: 25.72 vs 25.74 us at K=4, 23.68 vs 23.75 at
 # K=2, 27.28 vs 28.04 at K=6) and it saves a launch.
 FUSED_MAX_TOKENS, FUSED_MAX_OUT = 8, 4096
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 PATHS = ("gemm", "gemm-unfused", "dequant", "fold")
 # 8-warp CTAs (targets.decode_warps) for one token block, and for more on outputs up to this wide. H200, K=4 mcg,
 # whole linear, graph (us, 4 -> 8 warps, 8 token groups): 14336x4096 M=64 41.49 -> 38.78, M=128 72.75 -> 68.20;
@@ -248,9 +248,9 @@ class LinearPlan:
             self.matmul = (xr, w_hat_t.t(), partials[0])  # views made once, not per call
             self._rotate_out(lin, partials, arch)
         else:
-            output = _DTYPE_NAMES[out_dtype] if path == "gemm" else None
+            output = KERNEL_DTYPES[out_dtype] if path == "gemm" else None
             # One token: the GEMM rotates x itself (one launch for the whole linear).
-            rotated_input = _DTYPE_NAMES[in_dtype] if path == "gemm" and tokens == 1 else None
+            rotated_input = KERNEL_DTYPES[in_dtype] if path == "gemm" and tokens == 1 else None
             self.gemm_plan = plan_gemm(tokens, lin, sm_count(device), output=output,
                                        has_bias=lin.bias is not None and output is not None, input=rotated_input,
                                        early_next=early_next("gemm", tokens, arch))
@@ -271,7 +271,7 @@ class LinearPlan:
                     return
                 fused = launch.gemm_launcher(fn, xr, lin.words, partials, k_split, lin.svh, lin.bias, arrivals)
                 self.gemm = lambda x, y: fused(y)
-        rotation = InputRotationConfig(_DTYPE_NAMES[in_dtype], "rows" if self.gemm is None else x_order,
+        rotation = InputRotationConfig(KERNEL_DTYPES[in_dtype], "rows" if self.gemm is None else x_order,
                                        early_next=early_next("input", tokens, arch))
         self.rotate_in = launch.input_rotation_launcher(launch.compiled(rotation, arch), lin.suh, xr)
 
@@ -298,7 +298,7 @@ class LinearPlan:
         self.folded_matmul = matmul
 
     def _rotate_out(self, lin: DeviceLinear, partials: torch.Tensor, arch: str) -> None:
-        cfg = OutputRotationConfig(_DTYPE_NAMES[self.out_dtype], _DTYPE_NAMES[partials.dtype], lin.bias is not None,
+        cfg = OutputRotationConfig(KERNEL_DTYPES[self.out_dtype], KERNEL_DTYPES[partials.dtype], lin.bias is not None,
                                    early_next=early_next("output", partials.shape[1], arch))
         self.rotate_out = launch.output_rotation_launcher(launch.compiled(cfg, arch), partials, lin.svh, lin.bias)
 
@@ -341,7 +341,7 @@ def rotate_input(x: torch.Tensor, lin: DeviceLinear, out: torch.Tensor | None = 
     """fp16 ``[M, in_p]`` = H128(x_pad * suh) per 128-column block, in a GEMM's column order (doubled order:
     ``[M, 2*in_p]``, ``trellis.x_doubled_word``; stages order: ``[rows, in_p]``, ``x_rows`` of the GEMM, the rows
     past M not written)."""
-    fn = launch.compiled(InputRotationConfig(_DTYPE_NAMES[x.dtype], x_order), target_arch(x.device))
+    fn = launch.compiled(InputRotationConfig(KERNEL_DTYPES[x.dtype], x_order), target_arch(x.device))
     rows = x.shape[0] if rows is None else rows
     xr = _output(out, (rows, x_row_halves(lin.info.in_padded, x_order)), torch.float16, x.device)
     launch.input_rotation_launcher(fn, lin.suh, xr)(x)
@@ -394,8 +394,8 @@ def rotate_output(
 ) -> torch.Tensor:
     """``[M, out_features]`` = H128(sum of partials) * svh + bias, in ``out_dtype``."""
     cfg = OutputRotationConfig(
-        out_dtype=_DTYPE_NAMES[out_dtype],
-        partial_dtype=_DTYPE_NAMES[partials.dtype],
+        out_dtype=KERNEL_DTYPES[out_dtype],
+        partial_dtype=KERNEL_DTYPES[partials.dtype],
         has_bias=lin.bias is not None,
     )
     fn = launch.compiled(cfg, target_arch(partials.device))

@@ -40,7 +40,7 @@ from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops import targets
-from exl3tool.ops.launch import to_ffi
+from exl3tool.ops.launch import KERNEL_DTYPES, to_ffi
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import WGMMA_LAYOUT, check_whole_stages, decode_warps, has_wgmma, split_halves
 from exl3tool.ops.workspace import counters
@@ -231,7 +231,6 @@ RESIDENT_INPUT_TOKENS = 1
 FUSED_TOPK_TOKENS = 1
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @dataclass
@@ -623,7 +622,7 @@ class MoEPlan:
                        slot_groups: int) -> RouteInputRotationConfig:
         """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
         stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
-        x_dtype, k = _DTYPE_NAMES[self.x_dtype], self.dmoe.route.routes_per_token
+        x_dtype, k = KERNEL_DTYPES[self.x_dtype], self.dmoe.route.routes_per_token
         aligned = g.gate_suh.data_ptr() % 16 == 0 and g.up_suh.data_ptr() % 16 == 0  # its 16-byte suh loads
         if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and aligned:
             return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift)
@@ -641,7 +640,7 @@ class MoEPlan:
         wgmma = uses_wgmma(s.block_rows, arch)
         cfg = d.route
         k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
-        route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=_DTYPE_NAMES[self.x_dtype],
+        route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=KERNEL_DTYPES[self.x_dtype],
                             early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
         step = _Step(s)
         logits = self.logits[: tokens * e_r].view(tokens, e_r)
@@ -662,7 +661,7 @@ class MoEPlan:
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         col_blocks = h_p // 128
         per_cta = sum_blocks_per_cta(tokens, col_blocks, self.sm_count)
-        topk = TopKSumConfig(k, _DTYPE_NAMES[self.out_dtype], s.splits2, per_cta)
+        topk = TopKSumConfig(k, KERNEL_DTYPES[self.out_dtype], s.splits2, per_cta)
         topk_fused = fused_topk(tokens, given)
         # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
         (topk_counter,) = counters.views(d.device, ((col_blocks,), torch.int32))
@@ -695,7 +694,7 @@ class MoEPlan:
             per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
             per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
             if resident:
-                g13 = replace(g13, input=_DTYPE_NAMES[self.x_dtype], resident_k_tiles=per13)
+                g13 = replace(g13, input=KERNEL_DTYPES[self.x_dtype], resident_k_tiles=per13)
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
             # (row_route also when the GEMM reads or writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if g13.takes_row_route else None, None, 0)
