@@ -19,10 +19,8 @@ from exl3tool.format import Codebook
 from exl3tool.kernels.fold import Fold, FoldConfig
 from exl3tool.kernels.rotate import DTYPES
 from exl3tool.kernels.trellis import TrellisPlan
-from exl3tool.ops.launch import fake_stream, fake_tensor
+from exl3tool.ops.launch import KERNEL_DTYPES, fake_stream, fake_tensor
 from exl3tool.ops.runtime import compile_cached, target_arch
-
-_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def fold_builder(cfg: FoldConfig, options: str):
@@ -34,7 +32,7 @@ def fold_builder(cfg: FoldConfig, options: str):
 
 
 def fold_config(lin, dtype: torch.dtype) -> FoldConfig:
-    return FoldConfig(float(lin.info.bits), Codebook(lin.info.codebook).value, _NAMES[dtype])
+    return FoldConfig(float(lin.info.bits), Codebook(lin.info.codebook).value, KERNEL_DTYPES[dtype])
 
 
 def fold_launcher(fn, lin, out: torch.Tensor):

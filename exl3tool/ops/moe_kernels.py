@@ -18,11 +18,11 @@ from exl3tool.kernels.moe_rotate import (
     Intermediate, IntermediateConfig, RouteInputRotation, RouteInputRotationConfig, TopKSum, TopKSumConfig,
 )
 from exl3tool.kernels.moe_route import MoERoute, MoERouteConfig
+from exl3tool.kernels.rotate import DTYPES
 from exl3tool.ops.launch import fake_stream, fake_tensor
 from exl3tool.ops.runtime import compile_cached
 
-F16, BF16, F32, I32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32, cutlass.Int32
-_CUTE = {"float16": F16, "bfloat16": BF16, "float32": F32}
+F16, F32, I32 = cutlass.Float16, cutlass.Float32, cutlass.Int32
 def _compile(kernel, args, options: str):
     return cute.compile(kernel, *args, fake_stream(), options=options)
 
@@ -32,7 +32,7 @@ def _compile(kernel, args, options: str):
 
 def build_route(cfg: MoERouteConfig, options: str):
     m, h = cute.sym_int(), cute.sym_int()
-    args = [fake_tensor(_CUTE[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None),
+    args = [fake_tensor(DTYPES[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None),
             fake_tensor(I32, None, None), fake_tensor(F32, None, None), fake_tensor(F32, m, None),
             fake_tensor(I32, m, None), fake_tensor(F32, m, None), fake_tensor(I32, None), fake_tensor(I32, None),
             fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
@@ -45,13 +45,13 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     x = fake_tensor(I32, cfg.planes, rows, None)
     suh, routes, topk = [None] * 2, [None] * 2, [None] * 4
     if cfg.input is not None:  # x itself; gate and up suh
-        x = fake_tensor(_CUTE[cfg.input], 1, None, align=2)
+        x = fake_tensor(DTYPES[cfg.input], 1, None, align=2)
         suh = [fake_tensor(F16, None, None), fake_tensor(F16, None, None)]
     if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row
         routes = [fake_tensor(I32, 1, None), fake_tensor(I32, None)]
     if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y
         topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, 1, None),
-                fake_tensor(_CUTE[cfg.topk_sum.out_dtype], 1, None)]
+                fake_tensor(DTYPES[cfg.topk_sum.out_dtype], 1, None)]
     args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), fake_tensor(F32, None, rows, None),
             fake_tensor(I32, None), fake_tensor(I32, None), 0]
     inter = [None] * 2
@@ -66,7 +66,7 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
     m = cute.sym_int()
-    args = [fake_tensor(_CUTE[cfg.x_dtype], m, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None),
+    args = [fake_tensor(DTYPES[cfg.x_dtype], m, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None),
             fake_tensor(F16, 2, None, None), fake_tensor(I32, m, cfg.routes_per_token), fake_tensor(I32, None),
             fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None)]
     return _compile(RouteInputRotation(cfg), args, options)
@@ -81,7 +81,7 @@ def build_intermediate(cfg: IntermediateConfig, options: str):
 def build_topk_sum(cfg: TopKSumConfig, options: str):
     m = cute.sym_int()
     args = [fake_tensor(F32, None, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(I32, m, cfg.routes_per_token),
-            fake_tensor(F32, m, cfg.routes_per_token), fake_tensor(I32, None), fake_tensor(_CUTE[cfg.out_dtype], m, None)]
+            fake_tensor(F32, m, cfg.routes_per_token), fake_tensor(I32, None), fake_tensor(DTYPES[cfg.out_dtype], m, None)]
     return _compile(TopKSum(cfg), args, options)
 
 
