@@ -24,15 +24,13 @@ from typing import Mapping
 
 import torch
 
+from exl3tool.checkpoint import TORCH_DTYPES
 from exl3tool.format import (
     MCG_MARKER, MUL1_MARKER, TILE, Codebook, LinearInfo, LinearTensors, padded, words_from_bits,
 )
 from exl3tool.reference.signs import pack_signs
 
-_DTYPE_NAMES = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-}
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> safetensors name
 SUH_MAGNITUDE = (0.018, 0.024)  # what ExLlamaV3's converter produces for unit-scale weights
 SVH_MAGNITUDE = (0.9, 1.1)
 
