@@ -23,6 +23,8 @@ from exl3tool.ops.launch import fake_stream, fake_tensor
 from exl3tool.ops.runtime import compile_cached
 
 F16, F32, I32 = cutlass.Float16, cutlass.Float32, cutlass.Int32
+
+
 def _compile(kernel, args, options: str):
     return cute.compile(kernel, *args, fake_stream(), options=options)
 
