@@ -2,8 +2,9 @@
 
 import pytest
 
+from exl3tool import format as exl3_format
 from exl3tool.bench import ab
-from exl3tool.ops import linear
+from exl3tool.ops import kernel_cache, linear
 
 
 def test_variants_parse_to_module_attribute_literals():
@@ -39,6 +40,22 @@ def test_overrides_set_existing_attributes_only(monkeypatch):
         ab.apply(ab.parse_variant("x:exl3tool.ops.linear.FUSED_MAX_TOKEN=1"))
     with pytest.raises(ValueError, match="no module exl3tool.nope"):
         ab.apply(ab.parse_variant("x:exl3tool.nope.A=1"))
+
+
+def test_a_variant_the_kernel_cache_cannot_tell_apart_turns_it_off(monkeypatch):
+    """The cache names its entries by the kernel and host modules' upper-case constants: a variant that sets one
+    keeps it; one that sets anything else (another package, a function) compiles its own kernels."""
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, "/somewhere")
+    monkeypatch.setattr(linear, "FUSED_MAX_TOKENS", linear.FUSED_MAX_TOKENS)
+    ab.apply(ab.parse_variant(f"x:exl3tool.ops.linear.FUSED_MAX_TOKENS={linear.FUSED_MAX_TOKENS + 1}"))
+    assert kernel_cache.folder() is not None
+    monkeypatch.setattr(exl3_format, "TILE", exl3_format.TILE)
+    ab.apply(ab.parse_variant(f"x:exl3tool.format.TILE={exl3_format.TILE}"))
+    assert kernel_cache.folder() is None
+    assert kernel_cache.keyed_switch("exl3tool.kernels.mainloop", "CHUNK", (1, 2))
+    assert not kernel_cache.keyed_switch("exl3tool.ops.moe", "split_halves", 0)
+    assert not kernel_cache.keyed_switch("exl3tool.opsx", "A", 0)
+    assert not kernel_cache.keyed_switch("exl3tool.ops.moe", "A", object())
 
 
 def test_report_takes_the_median_of_each_variants_processes_and_compares_y():

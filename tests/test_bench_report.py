@@ -215,7 +215,7 @@ def test_json_round_trip():
 
 def test_source_digest_names_the_code(tmp_path):
     """The report names the code that ran by its bytes, where git's metadata cannot (the GPU machine's copy)."""
-    from exl3tool.bench.timing import source_digest
+    from exl3tool.version import source_digest
 
     a, b = tmp_path / "a", tmp_path / "b"
     for root in (a, b):

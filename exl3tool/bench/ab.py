@@ -25,6 +25,7 @@ import ast
 import functools
 import hashlib
 import importlib
+import os
 import re
 import shutil
 import statistics
@@ -32,6 +33,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from exl3tool.ops import kernel_cache
 
 RESULT = "AB-RESULT"
 KERNEL = "AB-KERNEL"
@@ -90,7 +93,8 @@ def parse_case(text: str) -> Case:
 
 def apply(variant: Variant, dry_run: bool = False) -> None:
     """Set the variant's attributes (``dry_run``: only check them); each must already exist, so that a typo does
-    not pass as a variant that changes nothing."""
+    not pass as a variant that changes nothing. A variant's kernels are compiled or taken from the kernel cache under
+    names that include its switches (``kernel_cache.keyed_switch``); one that sets anything else turns the cache off."""
     for module, attr, value in variant.overrides:
         try:
             mod = importlib.import_module(module)
@@ -100,6 +104,8 @@ def apply(variant: Variant, dry_run: bool = False) -> None:
             raise ValueError(f"variant {variant.name}: {module} has no attribute {attr}")
         if not dry_run:
             setattr(mod, attr, value)
+            if not kernel_cache.keyed_switch(module, attr, value):  # the cache could not tell this variant apart
+                os.environ[kernel_cache.CACHE_ENV] = kernel_cache.OFF
 
 
 def summarize(lines: list[str]) -> str:

@@ -11,17 +11,16 @@ at the same clocks.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 import statistics
 import subprocess
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from exl3tool.bench.report import Environment, Timing
+from exl3tool.version import source_digest
 
 L2_MULTIPLE = 3  # one timed loop streams more than 3x the L2 of distinct weights: they come from HBM
 WARMUP = 3
@@ -117,21 +116,6 @@ def git_commit() -> str | None:
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def source_digest(roots: list[Path] | None = None) -> str:
-    """The first 12 hex digits of a SHA-256 over the Python sources that ran (exl3tool and its kernels: relative
-    paths and bytes, in path order): it names the code of a report also where git's metadata is stale or absent."""
-    if roots is None:
-        import exl3tool
-        import exl3tool.kernels
-
-        roots = [Path(exl3tool.__file__).parent, Path(exl3tool.kernels.__file__).parent]
-    h = hashlib.sha256()
-    for root in roots:
-        for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
-            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:12]
 
 
 def environment(device: torch.device, arch: str) -> Environment:

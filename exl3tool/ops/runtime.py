@@ -1,8 +1,9 @@
 """Compiling and calling the CuTe DSL kernels: target arch, the compile cache, pointers and streams.
 
 Kernels are compiled once per (kernel, config, arch) with placeholder pointers and dynamic sizes, so a single
-compiled function serves every shape; nothing is ever keyed by tensors. ``EXL3TOOL_ARCH`` (e.g. ``sm_120a``)
-overrides the GPU's own arch and lets CI compile without a GPU.
+compiled function serves every shape; nothing is ever keyed by tensors. Later processes load them from disk
+(``kernel_cache``). ``EXL3TOOL_ARCH`` (e.g. ``sm_120a``) overrides the GPU's own arch and lets CI compile without a
+GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from exl3tool.errors import GpuUnavailableError
+from exl3tool.ops import kernel_cache
 
 ARCH_ENV = "EXL3TOOL_ARCH"
 # TVM FFI: the compiled function takes torch tensors and torch's current stream (a launch costs microseconds).
@@ -55,7 +57,8 @@ def target_arch(device: torch.device | str | None = None) -> str:
 
 
 def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
-    """``build(options)`` once per (key, arch); the result is reused for every later call.
+    """``build(options)`` once per (key, arch); the result is reused for every later call, and later processes load
+    it from the on-disk cache (``kernel_cache``) instead of compiling it again.
 
     Returned as ``direct_function`` of it: callers pass every argument positionally, as the launchers do."""
     full_key = (*key, arch)
@@ -64,12 +67,25 @@ def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
         with _lock:
             entry = _cache.get(full_key)
             if entry is None:
-                from exl3tool.kernels.ptx import compiling_for
-
-                with compiling_for(arch):
-                    compiled = build(f"{COMPILE_OPTIONS} --gpu-arch={arch}")
-                entry = _cache[full_key] = (compiled, direct_function(compiled))
+                entry = _cache[full_key] = _load_or_compile(full_key, arch, build)
     return entry[1]
+
+
+def _load_or_compile(full_key: tuple, arch: str, build: Callable[[str], Any]) -> tuple[Any, Any]:
+    """(what keeps the kernel loaded, its function): from the disk cache, else compiled here and stored there."""
+    from exl3tool.kernels.ptx import compiling_for
+
+    options = f"{COMPILE_OPTIONS} --gpu-arch={arch}"
+    name = kernel_cache.entry_name(full_key, options)
+    loaded = kernel_cache.load(name) if name is not None else None
+    if loaded is not None:
+        return loaded, loaded  # the function keeps its module loaded
+    with compiling_for(arch):
+        compiled = build(options)
+    kernel_cache.counts.compiled += 1
+    if name is not None:
+        kernel_cache.store(name, compiled)
+    return compiled, direct_function(compiled)
 
 
 def direct_function(compiled: Any) -> Any:
