@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 
 import pytest
@@ -155,3 +156,23 @@ def test_the_default_folder(monkeypatch, tmp_path):
     assert kernel_cache.folder() == tmp_path / "home" / ".cache" / "exl3tool" / "kernels"
     monkeypatch.setenv(CACHE_ENV, "~/k")
     assert kernel_cache.folder() == tmp_path / "home" / "k"
+
+
+def test_entries_unused_for_a_month_and_stale_temporaries_are_pruned(cache, monkeypatch):
+    builds = []
+    compile_as_a_new_process(builds)
+    [used] = cache.iterdir()
+    month = kernel_cache.UNUSED_DAYS * 86400
+    old = time.time() - month - 3600
+    os.utime(used, (old, old))
+    compile_as_a_new_process(builds)  # a load marks the entry used
+    assert len(builds) == 1 and time.time() - used.stat().st_mtime < 600
+    stale, partial, fresh_partial = cache / ("k" + "0" * 40 + ".o"), cache / ".k1.abc.o", cache / ".k2.abc.o"
+    for path, age in ((stale, month + 3600), (partial, 2 * 86400), (fresh_partial, 60)):
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age, time.time() - age))
+    monkeypatch.setattr(kernel_cache, "_pruned", set())  # as a new process: its first store prunes
+    compile_as_a_new_process(builds, DequantConfig(3.0, "mcg"))
+    assert len(builds) == 2
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [used.name, fresh_partial.name, entry_name(("DequantConfig", DequantConfig(3.0, "mcg"), ARCH), OPTIONS) + ".o"])

@@ -8,7 +8,9 @@ arch), the compile options, the CuTe DSL and TVM FFI versions and ``CUTE_DSL_*``
 (``version.source_digest``) and the value of every upper-case constant of the ``exl3tool.kernels`` and
 ``exl3tool.ops`` modules (the switches the A/B tool and the tests set). An entry is written whole (a temporary file renamed into place), so no reader sees
 half of one; one that does not load is compiled again and replaced. The cache only saves time: a folder that cannot
-be written leaves the kernel compiled in this process in use.
+be written leaves the kernel compiled in this process in use. A load marks its entry used (its mtime), and the first
+store of a process in a folder deletes the entries unused for ``UNUSED_DAYS`` (the sources' edits leave old ones behind) and the
+temporary files of processes killed while writing.
 
 ``EXL3TOOL_KERNEL_CACHE`` names the folder, or is ``off``; by default ``$XDG_CACHE_HOME/exl3tool/kernels``, else
 ``~/.cache/exl3tool/kernels``. Deleting the folder is always safe.
@@ -25,6 +27,7 @@ import os
 import pkgutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ CACHE_ENV = "EXL3TOOL_KERNEL_CACHE"
 OFF = "off"
 # packages whose upper-case module constants enter every entry's name (kernel code reads them as it is traced)
 SWITCH_PACKAGES = ("exl3tool.kernels", "exl3tool.ops")
+UNUSED_DAYS = 30  # entries neither written nor loaded for this long are deleted
 
 
 @dataclasses.dataclass
@@ -46,6 +50,7 @@ class Counts:
 
 
 counts = Counts()
+_pruned: set[Path] = set()  # the folders this process pruned (each once, at its first store there)
 
 
 def folder() -> Path | None:
@@ -81,6 +86,10 @@ def load(name: str) -> Any | None:
     except Exception:  # a damaged or foreign entry: compile again, and the store replaces it
         return None
     counts.loaded += 1
+    try:
+        os.utime(path)  # used: kept by the pruning
+    except OSError:
+        pass
     return function
 
 
@@ -92,6 +101,9 @@ def store(name: str, compiled: Any) -> None:
     temporary = None
     try:
         where.mkdir(parents=True, exist_ok=True)
+        if where not in _pruned:
+            _pruned.add(where)
+            prune(where)
         handle, temporary = tempfile.mkstemp(dir=where, prefix=f".{name}.", suffix=".o")
         os.close(handle)
         os.chmod(temporary, 0o644)  # readable by all, as an ordinary file (mkstemp's is the owner's alone)
@@ -111,6 +123,20 @@ def keyed_switch(module: str, attr: str, value: Any) -> bool:
     kernel must turn the cache off."""
     inside = any(module == p or module.startswith(p + ".") for p in SWITCH_PACKAGES)
     return inside and attr.isupper() and _stable_text(value) is not None
+
+
+def prune(where: Path, now: float | None = None) -> None:
+    """Delete the entries unused for ``UNUSED_DAYS`` and the temporary files older than a day."""
+    now = time.time() if now is None else now
+    for path in where.iterdir():
+        entry = path.name.startswith("k") and path.suffix == ".o"
+        partial = path.name.startswith(".k") and path.suffix == ".o"
+        try:
+            age = now - path.stat().st_mtime
+            if (entry and age > UNUSED_DAYS * 86400) or (partial and age > 86400):
+                path.unlink()
+        except OSError:  # another process took it first, or no permission: it stays
+            pass
 
 
 def switches() -> str:
