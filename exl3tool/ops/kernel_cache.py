@@ -2,15 +2,15 @@
 it again (0.3-3 s each, and `exl3tool verify` or `bench` compiles a dozen or more).
 
 An entry is one kernel's host and device code as one object file, written by the CuTe DSL's ahead-of-time export
-(``export_to_c``) and read back by ``cute.runtime.load_module``: the same TVM FFI function a compile in this
-process gives. Its name is a digest of everything that shapes the code: the compile cache's key (kernel, config,
-arch), the compile options, the CuTe DSL and TVM FFI versions and ``CUTE_DSL_*`` settings, the exl3tool sources
-(``version.source_digest``) and the value of every upper-case constant of the ``exl3tool.kernels`` and
-``exl3tool.ops`` modules (the switches the A/B tool and the tests set). An entry is written whole (a temporary file renamed into place), so no reader sees
-half of one; one that does not load is compiled again and replaced. The cache only saves time: a folder that cannot
-be written leaves the kernel compiled in this process in use. A load marks its entry used (its mtime), and the first
-store of a process in a folder deletes the entries unused for ``UNUSED_DAYS`` (the sources' edits leave old ones behind) and the
-temporary files of processes killed while writing.
+(``export_to_c``) and read back by ``cute.runtime.load_module``: the same TVM FFI function a compile in this process
+gives. Its name is a digest of everything that shapes the code: the compile cache's key (kernel, config, arch), the
+compile options, the CuTe DSL and TVM FFI versions and ``CUTE_DSL_*`` settings, the exl3tool sources
+(``version.source_digest``) and the value of every upper-case constant of the ``exl3tool.kernels`` and ``exl3tool.ops``
+modules (the switches the A/B tool and the tests set). An entry is written whole (a temporary file renamed into place),
+so no reader sees half of one; one that does not load is compiled again and replaced. The cache only saves time: a
+folder that cannot be written leaves the kernel compiled in this process in use. A load marks its entry used (its
+mtime), and the first store of a process in a folder deletes the entries unused for ``UNUSED_DAYS`` (the sources' edits
+leave old ones behind) and the temporary files of processes killed while writing.
 
 ``EXL3TOOL_KERNEL_CACHE`` names the folder, or is ``off``; by default ``$XDG_CACHE_HOME/exl3tool/kernels``, else
 ``~/.cache/exl3tool/kernels``. Deleting the folder is always safe.
