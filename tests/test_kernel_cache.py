@@ -176,3 +176,15 @@ def test_entries_unused_for_a_month_and_stale_temporaries_are_pruned(cache, monk
     assert len(builds) == 2
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [used.name, fresh_partial.name, entry_name(("DequantConfig", DequantConfig(3.0, "mcg"), ARCH), OPTIONS) + ".o"])
+
+
+def test_no_home_folder_means_no_cache(monkeypatch):
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(kernel_cache.Path, "home", staticmethod(homeless))
+    assert kernel_cache.folder() is None
+

@@ -54,13 +54,16 @@ _pruned: set[Path] = set()  # the folders this process pruned (each once, at its
 
 
 def folder() -> Path | None:
-    """The cache folder, or None when ``EXL3TOOL_KERNEL_CACHE=off``."""
+    """The cache folder, or None when ``EXL3TOOL_KERNEL_CACHE=off`` (or there is no home folder to put it in)."""
     setting = os.environ.get(CACHE_ENV, "").strip()
     if setting.lower() == OFF:
         return None
-    if setting:
-        return Path(setting).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exl3tool" / "kernels"
+    try:
+        if setting:
+            return Path(setting).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exl3tool" / "kernels"
+    except RuntimeError:  # no home folder to expand (a service account without one): no cache
+        return None
 
 
 def entry_name(key: tuple, options: str) -> str | None:
