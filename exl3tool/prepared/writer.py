@@ -208,7 +208,9 @@ def _fsync_dir(path: Path) -> None:
 def _write_json_atomic(path: Path, data: dict, tmp_dir: Path) -> None:
     tmp = tmp_dir / f"{path.name}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(json.dumps(data, indent=1, allow_nan=False).encode())  # strict JSON, or a loud bug
+        # strict JSON, or a loud bug; compact: indented, a 48-layer MoE's manifest took 8x longer to write (Python's
+        # encoder instead of C's) and 1.6x the bytes
+        f.write(json.dumps(data, separators=(",", ":"), allow_nan=False).encode())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
