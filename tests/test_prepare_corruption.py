@@ -141,6 +141,54 @@ def _stored_shape(m):
     layer1(m)["tensors"][W13]["shape"][1] = 3
 
 
+Q = "model.layers.1.self_attn.q_proj"
+
+
+def _q(m: dict) -> dict:
+    return layer1(m)["structure"]["linears"][Q]
+
+
+def _slice(m):
+    _q(m)["storage"]["suh"]["slice"] = [0, 999]
+
+
+def _unknown_view_key(m):
+    _q(m)["storage"]["suh"]["stride"] = 1
+
+
+def _half_rate_mcg(m):
+    _q(m).update(bits=3.5, codebook="mcg")
+
+
+def _padding(m):
+    _q(m)["in_padded"] = 200
+
+
+def _leaves(m):
+    del _q(m)["storage"]["svh"]
+
+
+def _expert_codebook(m):
+    layer1(m)["structure"]["linears"][GATE]["codebook"] = "mcg"
+
+
+def _twice(m):
+    first = next(u for u in m["units"] if u["id"] == "layer-00000")
+    first["tensors"][f"{Q}.suh"] = dict(layer1(m)["tensors"][f"{Q}.suh"], file=first["files"][0]["name"])
+
+
+def _tensor_file(m):
+    layer1(m)["tensors"][f"{Q}.suh"]["file"] = "layer-00009-p0.safetensors"
+
+
+def _dtype(m):
+    layer1(m)["tensors"][f"{Q}.suh"]["dtype"] = "X99"
+
+
+def _unquantized(m):
+    layer1(m)["structure"]["unquantized"].append("model.layers.1.nowhere.weight")
+
+
 @pytest.mark.parametrize("edit, error, message", [
     (_set_bits, UnreadableInputError, r"inconsistent: .*gate_proj.trellis: stored as I16 \[16, 8, 64\], expected"),
     (_bad_index, UnreadableInputError, "inconsistent: index 4 out of range"),
@@ -153,6 +201,16 @@ def _stored_shape(m):
     (lambda m: m.update(layout_version=2, schema="exl3tool.prepared/2"), UnsupportedFeatureError,
      "layout version 2 is newer"),
     (lambda m: m.update(schema="someone.else/1"), UnreadableInputError, "not an exl3tool prepared manifest"),
+    (_slice, UnreadableInputError, r"inconsistent: slice out of range in \{'tensor': .*q_proj.suh', 'slice'"),
+    (_unknown_view_key, UnreadableInputError, "inconsistent: unknown keys in .*'stride': 1"),
+    (_half_rate_mcg, UnreadableInputError, "inconsistent: .*q_proj: half-rate K with mcg"),
+    (_padding, UnreadableInputError, "inconsistent: .*q_proj: in size 256 / padded 200 inconsistent"),
+    (_leaves, UnreadableInputError, r"inconsistent: .*q_proj: stored leaves \['suh', 'trellis'\], expected"),
+    (_expert_codebook, UnreadableInputError, "inconsistent: .*experts.0.gate_proj: K/codebook disagree"),
+    (_twice, UnreadableInputError, "inconsistent: tensor .*q_proj.suh' listed twice"),
+    (_tensor_file, UnreadableInputError, "inconsistent: .*q_proj.suh: file 'layer-00009-p0.safetensors'"),
+    (_dtype, UnreadableInputError, r"inconsistent: .*q_proj.suh: 'X99' \[256\]"),
+    (_unquantized, UnreadableInputError, "inconsistent: unquantized tensor .*nowhere.weight' not stored"),
 ])
 def test_inconsistent_manifest_even_with_a_matching_hash(out, edit, error, message):
     edit_manifest(out, edit)
