@@ -108,7 +108,8 @@ class DeviceLinear:
 # 33.4, M=64 34.8 -> 33.9 -> 34.3. Not before the one-wave mma.sync GEMMs of M <= 32: with every kernel starting the
 # next early, M=1 20.6 -> 24.6 and M=16 26.9 -> 31.8 (docs/perf.md, eighteenth session); with only the M = 9..32
 # GEMM letting its output rotation launch early, mixed: 4096x14336 M=16 23.54 -> 23.31, 14336x4096 M=16 24.06 ->
-# 24.36, 4096x4096 M=16 11.31 -> 11.59 (twenty-seventh session, docs/tried/unfused-sync-gemm-early-next.patch.gz).
+# 24.36, 4096x4096 M=16 11.31 -> 11.59 (twenty-seventh session; its patch: git show
+# 14c9841:docs/tried/unfused-sync-gemm-early-next.patch.gz).
 EARLY_NEXT = "input"
 
 
