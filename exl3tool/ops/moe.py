@@ -214,14 +214,15 @@ EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 8
 # M=256 251.4 -> 252.8, so only up to 16 tokens.
 EARLY_ROUTE_NEXT_TOKENS = 16
 CONTIGUOUS_GROUP_ROWS = True
-# From this many tokens on, mma.sync route blocks hand X2 from gate/up to down through block-ready counters
-# (MoEGemmConfig.ready_signal / ready_wait; the intermediate fused into gate/up): down's CTAs start as gate/up's
-# last ones run, each waiting only for its own block. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over L2-cold
-# copies, two processes each, y bit-identical, us, grid-wide wait -> counters: M=4 55.39 -> 54.19, M=6 64.17 ->
-# 60.16, M=8 75.01 -> 70.43, M=12 94.57 -> 90.73, M=16 111.13 -> 107.00, M=64 164.93 -> 163.16, M=128 209.39 ->
-# 204.83, M=256 252.48 -> 244.86; M=2 33.98 -> 34.91 (two K splits), so from 4 (docs/perf.md, s35). s39: M=2 34.02
-# -> 35.08, M=3 43.66 -> 45.21. At M=1 they also work with the one-token GEMMs (the down GEMM's top-k sum then counts
-# in at mSumCounter), and lost: 24.73 -> 26.18 (s40; down's CTAs launch early and spin beside gate/up).
+# From this many tokens on, mma.sync route blocks of private decode (all but the 128-row ones) hand X2 from gate/up to
+# down through block-ready counters (MoEGemmConfig.ready_signal / ready_wait; the intermediate fused into gate/up, which
+# needs one tile column a warp): down's CTAs start as gate/up's last ones run, each waiting only for its own block.
+# H200, E=128 top-8 2048x768 K=4 mcg, layer graph over L2-cold copies, two processes each, y bit-identical, us,
+# grid-wide wait -> counters: M=4 55.39 -> 54.19, M=6 64.17 -> 60.16, M=8 75.01 -> 70.43, M=12 94.57 -> 90.73, M=16
+# 111.13 -> 107.00, M=64 164.93 -> 163.16, M=128 209.39 -> 204.83, M=256 252.48 -> 244.86; M=2 33.98 -> 34.91 (two K
+# splits), so from 4 (docs/perf.md, s35). s39: M=2 34.02 -> 35.08, M=3 43.66 -> 45.21. At M=1 they also work with the
+# one-token GEMMs (the down GEMM's top-k sum then counts in at mSumCounter), and lost: 24.73 -> 26.18 (s40; down's CTAs
+# launch early and spin beside gate/up).
 READY_COUNTERS_MIN_TOKENS = 4
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
 # while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
@@ -255,6 +256,11 @@ class DeviceExpertGroup:
     # the power of two that scales the largest |gate/up suh| into [1/2, 1]: the tensor-core input rotation's
     # exact fp16 split of x * suh (RouteInputRotationConfig.suh_shift), set at load time (one host sync)
     suh_shift: int = 0
+
+    @property
+    def suh_aligned(self) -> bool:
+        """Both suh tables 16-byte aligned: the tensor-core input rotation's 16-byte suh loads need it."""
+        return self.gate_suh.data_ptr() % 16 == 0 and self.up_suh.data_ptr() % 16 == 0
 
     @property
     def first_expert(self) -> int:
@@ -538,7 +544,11 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
     short = ctas_per_block13 * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
         FUSED_INTERMEDIATE_WAVES * CTAS_PER_SM * sm_count)
-    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not uses_wgmma(block_rows, arch)
+    # the block-ready counters come with the fused intermediate, which needs one tile column a warp (private decode):
+    # not the mma.sync 128-row blocks' shared decode (GPUs without warpgroup MMAs, SM120 included, from a mean of 128
+    # routes an expert)
+    private = layout.get("warp_cols", 1) == 1
+    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not uses_wgmma(block_rows, arch) and private
     fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short)
     return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready)
 
@@ -618,16 +628,6 @@ class MoEPlan:
         per_group = 4 - fused - resident_input(tokens, given)
         return 1 + (not fused_topk(tokens, given)) + per_group * len(self.dmoe.groups)
 
-    def input_rotation(self, g: DeviceExpertGroup, wgmma: bool, order13: str, lane_values: int,
-                       slot_groups: int) -> RouteInputRotationConfig:
-        """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
-        stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
-        x_dtype, k = KERNEL_DTYPES[self.x_dtype], self.dmoe.route.routes_per_token
-        aligned = g.gate_suh.data_ptr() % 16 == 0 and g.up_suh.data_ptr() % 16 == 0  # its 16-byte suh loads
-        if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and aligned:
-            return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift)
-        return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values)
-
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
         if key not in self._steps:
@@ -636,12 +636,10 @@ class MoEPlan:
 
     def _make_step(self, tokens: int, given: bool) -> _Step:
         d, arch = self.dmoe, self.arch
-        s = step_shape(d, tokens, self.sm_count, arch)
-        wgmma = uses_wgmma(s.block_rows, arch)
-        cfg = d.route
-        k, e_r, h_p, rows = cfg.routes_per_token, cfg.router_rows, d.hidden_padded, s.rows
-        route_cfg = replace(cfg, method="given" if given else cfg.method, x_dtype=KERNEL_DTYPES[self.x_dtype],
-                            early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
+        c = step_configs(d, tokens, given, arch, self.sm_count, KERNEL_DTYPES[self.x_dtype],
+                         KERNEL_DTYPES[self.out_dtype])
+        s = c.shape
+        k, e_r, h_p, rows = d.route.routes_per_token, d.route.router_rows, d.hidden_padded, s.rows
         step = _Step(s)
         logits = self.logits[: tokens * e_r].view(tokens, e_r)
         ids = self.ids[: tokens * k].view(tokens, k)
@@ -652,49 +650,21 @@ class MoEPlan:
         rank = self.rank[: tokens * k]
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
-        step.route = (K.compiled(route_cfg, arch), *map(to_ffi, (d.router, bias, self.dummy_i32, self.dummy_f32,
-                                                                  logits, ids, weights, rank, self.counters,
-                                                                  self.counts, self.expert_row, block_expert,
-                                                                  row_route)))
-        resident = resident_input(tokens, given)
-        lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, self.sm_count)
+        step.route = (K.compiled(c.route, arch), *map(to_ffi, (d.router, bias, self.dummy_i32, self.dummy_f32,
+                                                                logits, ids, weights, rank, self.counters,
+                                                                self.counts, self.expert_row, block_expert,
+                                                                row_route)))
         p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
         col_blocks = h_p // 128
-        per_cta = sum_blocks_per_cta(tokens, col_blocks, self.sm_count)
-        topk = TopKSumConfig(k, KERNEL_DTYPES[self.out_dtype], s.splits2, per_cta)
-        topk_fused = fused_topk(tokens, given)
         # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
         (topk_counter,) = counters.views(d.device, ((col_blocks,), torch.int32))
-        for g in d.groups:
+        for g, gc in zip(d.groups, c.groups):
             i_p = g.intermediate_padded
-            split13, split2 = group_splits(arch, g, s.block_rows)
-            order13, order2 = x_order(s.block_rows, split13, wgmma), x_order(s.block_rows, split2, wgmma)
-            hx, ix = x_row_halves(h_p, order13), x_row_halves(i_p, order2)
+            hx, ix = x_row_halves(h_p, gc.order13), x_row_halves(i_p, gc.order2)
             xr = self.xr[: 2 * rows * hx].view(2, rows, hx)
             p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
             x2 = self.x2[: rows * ix].view(rows, ix)
-            # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
-            early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
-            early13 = early_gate_up(tokens, resident, wgmma)
-            first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
-            warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
-            warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)
-            g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
-                              **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
-                              x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
-                              next_after_loop=early, group_first=first, weights_before_wait=early13,
-                              ready_signal=s.ready_counters)
-            g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
-                             **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
-                             weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
-            rot = None if resident else K.compiled(
-                replace(self.input_rotation(g, wgmma, order13, lane_values, slot_groups), early_next=early13), arch)
-            inter = None if s.fused_intermediate else K.compiled(
-                intermediate_config(s.splits13, order2, i_p // 128), arch)
-            per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
-            per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
-            if resident:
-                g13 = replace(g13, input=KERNEL_DTYPES[self.x_dtype], resident_k_tiles=per13)
+            g13, g2, resident = gc.gate_up, gc.down, gc.gate_up.input is not None
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
             # (row_route also when the GEMM reads or writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if g13.takes_row_route else None, None, 0)
@@ -704,28 +674,108 @@ class MoEPlan:
                                             ((s.blocks * (i_p // 128 + s.ready_counters),), torch.int32))
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
             prologue = (g.gate_suh, g.up_suh, ids, route_row) if resident else ()
-            gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, per13,
+            gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, gc.per13,
                        *tail, *prologue)
-            if not resident:
-                step.launches.append((K.launch_input_rotation, rot, (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank,
-                                                                     self.expert_row, g.group_row, row_route,
-                                                                     route_row)))
+            if gc.rotation is not None:
+                step.launches.append((K.launch_input_rotation, K.compiled(gc.rotation, arch),
+                                      (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row, g.group_row,
+                                       row_route, route_row)))
             step.launches.append((K.launch_gemm, K.compiled(g13, arch), gate_up))
-            if not s.fused_intermediate:
-                step.launches.append((K.launch_intermediate, inter, (p13, g.rotations, x2, row_route, block_expert,
-                                                                     g.group_row, g.intermediate, s.block_rows)))
-            if topk_fused:
-                g2 = replace(g2, topk_sum=topk)
-            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, per2,
+            if gc.intermediate is not None:
+                step.launches.append((K.launch_intermediate, K.compiled(gc.intermediate, arch),
+                                      (p13, g.rotations, x2, row_route, block_expert, g.group_row, g.intermediate,
+                                       s.block_rows)))
+            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, gc.per2,
                     None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
-            if topk_fused:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters
+            if g2.topk_sum is not None:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters
                 down += (None, None, ids, route_row, d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))
-        if not topk_fused:
-            step.launches.append((K.launch_topk_sum, K.compiled(topk, arch), (p2, d.down_svh, d.svh_row, ids,
-                                                                              weights, route_row, Y_ARG)))
+        if c.topk is not None:
+            step.launches.append((K.launch_topk_sum, K.compiled(c.topk, arch), (p2, d.down_svh, d.svh_row, ids,
+                                                                                weights, route_row, Y_ARG)))
         step.launches = [(launch, fn, persistent(args)) for launch, fn, args in step.launches]
         return step
+
+
+@dataclass(frozen=True)
+class GroupConfigs:
+    """The kernels of one expert group at a step; a launch fused into a GEMM is None."""
+
+    rotation: RouteInputRotationConfig | None  # None: the gate/up GEMM rotates x itself (gate_up.input)
+    gate_up: MoEGemmConfig
+    intermediate: IntermediateConfig | None  # None: fused into the gate/up GEMM's tail
+    down: MoEGemmConfig  # down.topk_sum: it does the top-k sum too
+    order13: str  # column order of X and X2 (x_order)
+    order2: str
+    per13: int  # k-tiles per K split of each GEMM
+    per2: int
+
+
+@dataclass(frozen=True)
+class StepConfigs:
+    """Every kernel config of one call with ``shape.tokens`` tokens, in launch order: route, then per group the
+    input rotation, gate/up, Intermediate and down, then the top-k sum (None: fused into the down GEMMs)."""
+
+    shape: StepShape
+    route: MoERouteConfig
+    groups: tuple[GroupConfigs, ...]
+    topk: TopKSumConfig | None
+
+
+def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_groups: int, x_dtype: str,
+                          k: int) -> RouteInputRotationConfig:
+    """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
+    stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
+    if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and g.suh_aligned:
+        return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift)
+    return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values)
+
+
+def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: int, x_dtype: str,
+                 out_dtype: str) -> StepConfigs:
+    """What a call with ``tokens`` tokens compiles and launches on ``arch`` with ``sm_count`` SMs (x and y of the
+    kernel dtype names ``x_dtype`` / ``out_dtype``): from the layer's shapes, K and codebooks alone (``d`` may be
+    any object with DeviceMoE's route, hidden_padded and groups), so that the CPU can plan and compile it too."""
+    s = step_shape(d, tokens, sm_count, arch)
+    wgmma = uses_wgmma(s.block_rows, arch)
+    cfg = d.route
+    k, h_p = cfg.routes_per_token, d.hidden_padded
+    route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
+    resident = resident_input(tokens, given)
+    lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
+    topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count))
+    topk_fused = fused_topk(tokens, given)
+    groups = []
+    for g in d.groups:
+        i_p = g.intermediate_padded
+        split13, split2 = group_splits(arch, g, s.block_rows)
+        order13, order2 = x_order(s.block_rows, split13, wgmma), x_order(s.block_rows, split2, wgmma)
+        # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
+        early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
+        early13 = early_gate_up(tokens, resident, wgmma)
+        first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
+        warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
+        warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)
+        g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
+                          **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
+                          x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
+                          next_after_loop=early, group_first=first, weights_before_wait=early13,
+                          ready_signal=s.ready_counters)
+        g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
+                         **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
+                         weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
+        rotation = None if resident else replace(
+            input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
+        intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128)
+        per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
+        per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
+        if resident:
+            g13 = replace(g13, input=x_dtype, resident_k_tiles=per13)
+        if topk_fused:
+            g2 = replace(g2, topk_sum=topk)
+        groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
+    return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
 
 
 def persistent(args: tuple) -> tuple:

@@ -258,6 +258,27 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
         assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
 
 
+@pytest.mark.parametrize("name,m,rows", [("qwen3-30b-shape-k4-mcg", 512, 64), ("qwen3-30b-shape-k4-mcg", 2048, 128),
+                                         ("k2-3inst-unnormalised", 1100, 128), ("two-groups-k3-k5", 700, 128),
+                                         ("k3.5-mul1-shared-gated", 600, 128)])
+def test_plans_without_warpgroup_mmas_match_the_reference(synthetic, name, m, rows, monkeypatch):
+    """What SM120 and SM80 plan, run on this GPU with its warpgroup MMAs hidden (moe.has_wgmma): mma.sync route
+    blocks at every size, 64 rows with block-ready counters, 128 rows decoding into shared memory behind the
+    Intermediate launch (they planned a fused intermediate there, which the config refused, until s46). y within
+    MAX_REL of the reference, the same on a second call and in graph replay."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(m, moe.hidden, device="cuda") * 0.1).half()
+    y, made, plan = layer_with(monkeypatch, dmoe, x, {"has_wgmma": lambda arch: False})
+    shape = plan.step(m, False).shape
+    assert shape.block_rows == rows and shape.ready_counters == (rows == 64) and made
+    assert all(c.mma == "sync" for c in made)
+    ids, weights = (t.clone() for t in routes(plan, m))
+    check_routes(moe, x, ids, weights)
+    assert rel(y, reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
 def layer_with(monkeypatch, dmoe, x, settings: dict):
     """(y, the GEMM configs planned, plan) of the layer for x with moe's ``settings`` (a fresh, poisoned plan), y
     checked to be the same on a second call (arrival counters back at zero) and in graph replay."""

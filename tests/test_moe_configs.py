@@ -1,0 +1,99 @@
+"""Every kernel config the fused MoE plans (``moe.step_configs``, what MoEPlan compiles and launches), on the CPU, for
+every arch it targets: SM120 and SM80 plan only mma.sync route blocks, which the H200's GPU tier never runs past 32
+rows (it takes warpgroup MMAs from 64), so their configs are checked here. Each step plans without an error for every
+token count up to 4096 and both routing modes; the distinct configs of SM120's steps compile (marker compile)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
+from exl3tool.kernels.moe_route import MoERouteConfig
+from exl3tool.ops.moe import step_configs
+from exl3tool.ops.runtime import compile_with_ptx
+
+ARCHS = {"sm_120a": 170, "sm_90a": 132, "sm_80": 108}  # arch: SMs of a GPU of it (RTX 5090, H200, A100)
+TOKENS = [*range(1, 300), *range(300, 4097, 37), 4096]
+
+
+def group(bits, codebook, intermediate, first=0, w2=None):
+    w2_bits, w2_codebook = w2 or (bits, codebook)
+    return SimpleNamespace(w13_bits=float(bits), w13_codebook=codebook, w2_bits=float(w2_bits),
+                           w2_codebook=w2_codebook, intermediate_padded=intermediate, first_expert=first,
+                           suh_shift=0, suh_aligned=True)
+
+
+# The layers of tests/gpu/test_moe.py's SYNTHETIC, as the plan sees them (shapes, K, codebooks and routing only).
+LAYERS = {
+    "qwen3-30b-shape-k4-mcg": SimpleNamespace(route=MoERouteConfig("softmax_topk", 128, 8), hidden_padded=2048,
+                                              groups=[group(4, "mcg", 768)]),
+    "k2-3inst-16-experts": SimpleNamespace(route=MoERouteConfig("softmax_topk", 16, 4, normalize=False),
+                                           hidden_padded=512, groups=[group(2, "3inst", 256)]),
+    "k3.5-mul1-shared-gated": SimpleNamespace(route=MoERouteConfig("softmax_topk", 8, 2, shared="gated"),
+                                              hidden_padded=384,
+                                              groups=[group(3.5, "mul1", 256), group(3.5, "mul1", 640, first=8)]),
+    "deepseek-grouped-sigmoid": SimpleNamespace(
+        route=MoERouteConfig("sigmoid_noaux_tc", 32, 6, n_group=4, topk_group=2, correction_bias=True,
+                             shared="ungated"),
+        hidden_padded=256, groups=[group(6, "mcg", 128), group(6, "mcg", 256, first=32)]),
+    "two-groups-k3-k5": SimpleNamespace(route=MoERouteConfig("softmax_topk", 12, 3), hidden_padded=256,
+                                        groups=[group(5, "mcg", 384, first=-1), group(3, "3inst", 384, first=-1)]),
+    "hidden-intermediate-4096": SimpleNamespace(route=MoERouteConfig("softmax_topk", 4, 2), hidden_padded=4096,
+                                                groups=[group(4, "mul1", 4096)]),
+}
+
+
+def configs_of(step) -> list:
+    """A step's configs in launch order."""
+    out = [step.route]
+    for g in step.groups:
+        out += [c for c in (g.rotation, g.gate_up, g.intermediate, g.down) if c is not None]
+    return out + ([step.topk] if step.topk is not None else [])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_step_plans_on_every_arch(name, arch):
+    """Before the fix, SM120 and SM80 planned a fused intermediate and block-ready counters for the mma.sync 128-row
+    blocks (shared decode, 4 tile columns a warp), which MoEGemmConfig refuses: the Qwen3-30B layer raised from 2048
+    tokens on, the small layers from 256-683."""
+    d = LAYERS[name]
+    for tokens in TOKENS:
+        for given in (False, True):
+            step = step_configs(d, tokens, given, arch, ARCHS[arch], "float16", "float16")
+            s = step.shape
+            private = all(g.gate_up.warp_cols == 1 for g in step.groups)
+            assert not s.ready_counters or private, (tokens, given)
+            # launches: route, per group (input rotation, gate/up, Intermediate, down), the top-k sum
+            launches = 1 + (step.topk is not None) + sum(
+                (g.rotation is not None) + 1 + (g.intermediate is not None) + 1 for g in step.groups)
+            assert launches == 1 + (step.topk is not None) + len(step.groups) * (
+                4 - s.fused_intermediate - (step.groups[0].gate_up.input is not None))
+            for c in configs_of(step):
+                assert getattr(c, "smem_bytes", 0) <= SMEM_LIMIT_BYTES or arch == "sm_90a", (tokens, c)
+
+
+def test_sm120_plans_128_row_blocks_with_the_intermediate_launch():
+    d = LAYERS["qwen3-30b-shape-k4-mcg"]
+    step = step_configs(d, 4096, False, "sm_120a", 170, "float16", "float16")
+    (g,) = step.groups
+    assert step.shape.block_rows == 128 and g.gate_up.warp_cols == 4 and g.gate_up.mma == "sync"
+    assert not step.shape.fused_intermediate and g.intermediate is not None and not g.down.ready_wait
+    step = step_configs(d, 1024, False, "sm_120a", 170, "float16", "float16")  # 64-row blocks keep the counters
+    assert step.shape.block_rows == 64 and step.shape.ready_counters and step.groups[0].intermediate is None
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tokens", [1, 4, 16, 256, 1024, 4096])
+def test_sm120_steps_compile(tokens):
+    """What an RTX 5090 compiles for the Qwen3-30B layer: every config of the step, within 99 KB of shared memory."""
+    from exl3tool.ops.moe_kernels import BUILDERS
+
+    step = step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], tokens, False, "sm_120a", 170, "float16", "float16")
+    for config in configs_of(step):
+        ptx = compile_with_ptx(lambda options, c=config: BUILDERS[type(c)](c, options), "sm_120a")
+        assert ".target sm_120a" in ptx and "wgmma" not in ptx, config
+        assert getattr(config, "smem_bytes", 0) <= SMEM_LIMIT_BYTES
+
