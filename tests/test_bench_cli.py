@@ -57,6 +57,7 @@ def test_missing_matplotlib_exits_2(monkeypatch, tmp_path):
     (["--layer", "0"], "--layer needs MODEL"),
     (["m", "--layer", "0", "--shape", "8x8"], "not both"),
     (["--sass", "--shape", "8x8"], "drop --shape"),
+    (["--sass", "--moe", "8:2:64"], "--moe must be EXPERTS:TOPK:HIDDEN:INTERMEDIATE"),
     (["--sass", "--mode", "both"], "drop --mode"),
     (["--sass", "--arch", "hopper"], "--arch"),
     (["--format", "xml"], "--format"),
@@ -116,3 +117,32 @@ def test_from_json_renders_and_plots_without_a_gpu(tmp_path):
     (tmp_path / "bad.json").write_text('{"schema": "exl3tool.verify/1"}')
     _one_error_line(run_cli("bench", "--from-json", tmp_path / "bad.json"), "not an exl3tool bench JSON report")
     _one_error_line(run_cli("bench", "--from-json", tmp_path / "absent.json"), "absent.json")
+
+
+@pytest.mark.compile
+def test_sass_of_a_moe_block_on_sm120():
+    """`--sass --moe`: the kernels the fused MoE plans on an RTX 5090 (170 SMs) at each M, every distinct config
+    once, labelled with the token counts that launch it (the route's tiles differ by M): at M=1 the route and the two
+    GEMMs (x rotated, intermediate and top-k sum fused), at M=600 (150 routes an expert) 128-row mma.sync blocks with
+    every launch of their own."""
+    result = run_cli("bench", "--sass", "--moe", "16:4:512:256", "--tokens", "1,600", "--arch", "sm_120a", "-f",
+                     "json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["arch"] == "sm_120a" and data["sm_count"] == 170
+    kernels = {k["kernel"]: k for k in data["kernels"]}
+    block = "moe 16e top-4 512x256 K4 mcg"
+    assert set(kernels) == {f"{block} route (M=1)", f"{block} route (M=600)", f"{block} gate/up 8-row sync (M=1)",
+                            f"{block} down 8-row sync (M=1)", f"{block} input rotation (M=600)",
+                            f"{block} gate/up 128-row sync (M=600)", f"{block} intermediate (M=600)",
+                            f"{block} down 128-row sync (M=600)", f"{block} top-k sum (M=600)"}
+    for name, k in kernels.items():
+        assert k["spill_bytes"] == 0 and k["spill_instructions"] == 0, name
+        if " sync " in name:  # the decode GEMMs: within SM120's shared memory, resident, decoding on the MMAs
+            assert k["smem_per_cta_bytes"] <= 99 * 1024 and k["ctas_per_sm"] >= 1, name
+            assert k["per_weight_by_pipe"]["tensor"] > 0 and 3.0 < k["per_weight"] < 14, name
+        else:
+            assert k["ctas_per_sm"] is None, name
+    human = run_cli("bench", "--sass", "--moe", "16:4:512:256", "--tokens", "1", "--arch", "sm_120a")
+    assert human.exit_code == 0 and "MoE plans for 170 SMs" in human.stdout and "CTAs/SM" in human.stdout
+

@@ -2,6 +2,7 @@
 
     run_bench(BenchRequest(...), progress=None) -> BenchReport      needs a CUDA GPU
     sass_report(arch, bits, codebook, tokens) -> SassReport         CPU only (nvdisasm from the sass extra)
+    moe_sass_report(arch, specs, bits, codebook, tokens)            the same for fused MoE blocks (MoESpec)
     write_plot(report, path)                                        matplotlib (the plot extra)
 
     request.py   BenchRequest and the parsers of its command-line strings
@@ -32,11 +33,17 @@ def sass_report(arch, bits=(4.0,), codebook="mcg", tokens=(1, 16, 256, 4096), pr
     return report(arch, bits, codebook, tokens, progress)
 
 
+def moe_sass_report(arch, specs, bits=(4.0,), codebook="mcg", tokens=(1, 16, 256, 4096), progress=None):
+    from exl3tool.bench.sassreport import moe_sass_report as report
+
+    return report(arch, specs, bits, codebook, tokens, progress)
+
+
 def write_plot(report, path):
     from exl3tool.bench.plot import write_plot as plot
 
     return plot(report, path)
 
 
-__all__ = ["SASS_SCHEMA", "SCHEMA", "BenchReport", "BenchRequest", "MoESpec", "SassReport", "run_bench",
-           "sass_report", "write_plot"]
+__all__ = ["SASS_SCHEMA", "SCHEMA", "BenchReport", "BenchRequest", "MoESpec", "SassReport", "moe_sass_report",
+           "run_bench", "sass_report", "write_plot"]

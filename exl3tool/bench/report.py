@@ -259,12 +259,15 @@ class SassRow:
     loop_instructions: int | None
     per_weight: float | None
     per_weight_by_pipe: dict[str, float] | None
+    ctas_per_sm: int | None = None  # resident at once (threads, registers, shared memory); decode GEMMs only
 
 
 @dataclass(frozen=True)
 class SassReport:
     arch: str
     rows: tuple[SassRow, ...]
+    sm_count: int | None = None  # the SMs a MoE report's plans assume (targets.typical_sms)
 
     def to_json(self) -> dict:
-        return {"schema": SASS_SCHEMA, "arch": self.arch, "kernels": [asdict(r) for r in self.rows]}
+        return {"schema": SASS_SCHEMA, "arch": self.arch, "sm_count": self.sm_count,
+                "kernels": [asdict(r) for r in self.rows]}

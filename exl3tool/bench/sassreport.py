@@ -1,9 +1,12 @@
-"""`exl3tool bench --sass`: the kernels a linear launches, compiled for any arch on the CPU (no GPU), read with
-`exl3tool.sass`: registers, spills, shared memory per CTA, main-loop SASS per decoded weight by pipe.
+"""`exl3tool bench --sass`: the kernels a linear (or, with ``--moe``, a fused MoE block) launches, compiled for any
+arch on the CPU (no GPU), read with `exl3tool.sass`: registers, spills, shared memory per CTA, CTAs an SM (decode
+GEMMs), main-loop SASS per decoded weight by pipe.
 
-The kernels are the ones the planner picks (`exl3tool.ops.linear.plan_gemm`) for the requested K, codebook and
-token counts: the decode GEMM per token-group count, its fused-epilogue variant (M <= 8), the dequantize kernel,
-the fold kernel (large M) and the two rotations.
+The kernels are the ones the planners pick for the requested K, codebook and token counts. A linear
+(`exl3tool.ops.linear.plan_gemm`): the decode GEMM per token-group count, its fused-epilogue variant (M <= 8), the
+dequantize kernel, the fold kernel (large M) and the two rotations. A MoE block (`exl3tool.ops.moe.step_configs`,
+for the arch's typical SM count): each step's route, input rotation, gate/up and down GEMMs, Intermediate and top-k
+sum, where they are launches of their own.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from exl3tool.bench.report import SassReport, SassRow
 from exl3tool.format import Codebook, LinearInfo
 
 
-def _row(label: str, k) -> SassRow:
+def _row(label: str, k, arch: str, config=None) -> SassRow:
+    """``config``: a decode GEMM's, for its CTAs an SM (threads from its warps; static and dynamic shared memory)."""
+    from exl3tool.ops.targets import resident_ctas
+
+    ctas = None if config is None else resident_ctas(arch, 32 * config.warps, k.smem_per_cta_bytes, k.registers)
     return SassRow(
         kernel=label, symbol=k.name, registers=k.registers, spill_bytes=k.frame_bytes,
         spill_instructions=k.spill_instructions, static_smem_bytes=k.static_smem_bytes,
         smem_per_cta_bytes=k.smem_per_cta_bytes,
         loop_instructions=None if k.main_loop is None else len(k.main_loop.instructions),
-        per_weight=k.per_weight, per_weight_by_pipe=k.per_weight_by_pipe,
+        per_weight=k.per_weight, per_weight_by_pipe=k.per_weight_by_pipe, ctas_per_sm=ctas,
     )
 
 
@@ -73,20 +80,73 @@ def sass_report(arch: str, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 25
         if 1 in tokens:  # what one token runs: one launch, both rotations fused (its own stage count per arch)
             cfg = planned_gemm_config(k, codebook, 1, arch, output="float16", input="float16")
             configs[cfg] = _gemm_label(k, codebook, cfg) + f" one launch ({cfg.stages} stages)"
-        jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch)) for cfg, label in configs.items()]
+        jobs += [(label, lambda cfg=cfg: gemm_report(cfg, arch), cfg) for cfg, label in configs.items()]
         dq = DequantConfig(float(k), codebook)
-        jobs.append((f"dequant K{k:g} {codebook}", lambda dq=dq: _analyze(dq, arch)))
+        jobs.append((f"dequant K{k:g} {codebook}", lambda dq=dq: _analyze(dq, arch), None))
         if max(tokens) >= FOLD_MIN_TOKENS:
             fc = FoldConfig(float(k), codebook, "float16")
-            jobs.append((f"fold K{k:g} {codebook} fp16", lambda fc=fc: _analyze(fc, arch, fold_builder)))
-    jobs.append(("rotate in fp16", lambda: _analyze(InputRotationConfig("float16"), arch)))
+            jobs.append((f"fold K{k:g} {codebook} fp16", lambda fc=fc: _analyze(fc, arch, fold_builder), None))
+    jobs.append(("rotate in fp16", lambda: _analyze(InputRotationConfig("float16"), arch), None))
     jobs.append(("rotate out fp32>fp16",
-                 lambda: _analyze(OutputRotationConfig("float16", "float32", False), arch)))
+                 lambda: _analyze(OutputRotationConfig("float16", "float32", False), arch), None))
+    return SassReport(arch, _run(jobs, arch, progress))
+
+
+def _run(jobs, arch: str, progress) -> tuple[SassRow, ...]:
+    """(label, analysis, decode GEMM config or None) jobs, compiled in turn."""
     rows = []
-    for i, (label, job) in enumerate(jobs):
+    for i, (label, job, config) in enumerate(jobs):
         if progress is not None:
             progress(i, len(jobs), label)
-        rows.append(_row(label, job()))
+        rows.append(_row(label, job(), arch, config))
     if progress is not None:
         progress(len(jobs), len(jobs), "done")
-    return SassReport(arch, tuple(rows))
+    return tuple(rows)
+
+
+def moe_layer(spec, bits: float, codebook: str):
+    """What ``moe.step_configs`` reads of a synthetic MoE block (``MoESpec``, Qwen3-MoE routing, one expert group
+    of K ``bits`` / ``codebook``), with no tensors."""
+    from exl3tool.format import padded
+    from exl3tool.kernels.moe_route import MoERouteConfig
+
+    experts = SimpleNamespace(w13_bits=float(bits), w13_codebook=codebook, w2_bits=float(bits), w2_codebook=codebook,
+                              intermediate_padded=padded(spec.intermediate), first_expert=0, suh_shift=0,
+                              suh_aligned=True)
+    return SimpleNamespace(route=MoERouteConfig("softmax_topk", spec.experts, spec.top_k),
+                           hidden_padded=padded(spec.hidden), groups=[experts])
+
+
+def moe_sass_report(arch: str, specs, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 256, 4096),
+                    progress=None) -> SassReport:
+    """The fused MoE's kernels for each block in ``specs`` (``MoESpec``) at each token count: every distinct config
+    once, labelled with the token counts that launch it."""
+    from exl3tool.kernels.moe_gemm import MoEGemmConfig
+    from exl3tool.ops.moe import step_configs
+    from exl3tool.ops.moe_kernels import BUILDERS
+    from exl3tool.ops.targets import typical_sms
+    from exl3tool.sass import gemm_report, nvdisasm_path
+
+    nvdisasm_path()  # SassToolError (naming the extra) before any compile
+    sm_count = typical_sms(arch)
+    found: dict[tuple, list[int]] = {}  # (block name, role, config) -> token counts
+    for spec in specs:
+        for k in bits:
+            layer = moe_layer(spec, k, codebook)
+            name = f"moe {spec.experts}e top-{spec.top_k} {spec.hidden}x{spec.intermediate} K{k:g} {codebook}"
+            for m in tokens:
+                step = step_configs(layer, m, False, arch, sm_count, "float16", "float16")
+                (g,) = step.groups
+                for role, config in (("route", step.route), ("input rotation", g.rotation), ("gate/up", g.gate_up),
+                                     ("intermediate", g.intermediate), ("down", g.down), ("top-k sum", step.topk)):
+                    if config is not None:
+                        found.setdefault((name, role, config), []).append(m)
+    jobs = []
+    for (name, role, config), ms in found.items():
+        gemm = isinstance(config, MoEGemmConfig)
+        rows = f" {config.tokens_per_cta}-row {config.mma}" if gemm else ""
+        label = f"{name} {role}{rows} (M={','.join(map(str, ms))})"
+        job = (lambda c=config: gemm_report(c, arch)) if gemm else (
+            lambda c=config: _analyze(c, arch, BUILDERS[type(c)]))
+        jobs.append((label, job, config if gemm else None))
+    return SassReport(arch, _run(jobs, arch, progress), sm_count)

@@ -49,8 +49,9 @@ def bench(
     from_json: Annotated[Optional[str], typer.Option(
         "--from-json", metavar="FILE", show_default=False,
         help="No GPU: render (and --plot) a report saved with --json-out (.json or .json.gz) or -f json.")] = None,
-    sass: Annotated[bool, typer.Option("--sass", help="No GPU: compile the kernels for --arch and report "
-                                                     "registers, spills, shared memory, SASS per weight.")] = False,
+    sass: Annotated[bool, typer.Option("--sass", help="No GPU: compile the kernels for --arch (with --moe: the "
+                                                     "fused MoE block's) and report registers, spills, shared "
+                                                     "memory, CTAs an SM, SASS per weight.")] = False,
     arch: Annotated[str, typer.Option("--arch", metavar="sm_XX", help="Target of --sass.")] = "sm_120a",
     replays: Annotated[int, typer.Option("--replays", metavar="N", min=5, help="Timed repetitions per case.")]
     = 30,
@@ -81,16 +82,20 @@ def bench(
                 R.require_matplotlib()
             report = _read_json(from_json)
         elif sass:
-            _only("--sass", (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--moe", moe),
-                             ("--peer", peer), ("--plot", plot), ("--json-out", json_out)), mode)
+            _only("--sass", (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--peer", peer),
+                             ("--plot", plot), ("--json-out", json_out)), mode)
             if not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
                 raise UsageError(f"--arch must look like sm_120a or sm_90a, not {arch!r}")
             for k in bits_list:
                 R.check_bits(k, codebook)
-            from exl3tool.bench import sass_report
+            specs = [R.parse_moe(m) for m in moe or ()]
+            from exl3tool.bench import moe_sass_report, sass_report
 
             with _progress("compiling") as progress:
-                report = sass_report(arch, bits_list, codebook, token_list, progress)
+                if specs:
+                    report = moe_sass_report(arch, specs, bits_list, codebook, token_list, progress)
+                else:
+                    report = sass_report(arch, bits_list, codebook, token_list, progress)
             _render_sass(report, as_json)
             raise typer.Exit(EXIT_SOUND)
         else:

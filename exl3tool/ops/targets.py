@@ -32,6 +32,9 @@ LIMITS = {
     "sm_120": SmLimits(100 * 1024, 1536, 65536, 32),  # RTX 50xx / RTX PRO 6000 Blackwell
     "sm_121": SmLimits(100 * 1024, 1536, 65536, 32),
 }
+# SMs of each arch's most common GPU (A100, RTX 3090, RTX 4090, H100 / H200 SXM, B200, RTX 5090, DGX Spark): what a
+# plan made without a GPU (``exl3tool bench --sass --moe``) assumes.
+TYPICAL_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_100": 148, "sm_120": 170, "sm_121": 48}
 # Registers per thread the planner budgets for a decode GEMM CTA, by token groups: the planner's configs (with
 # ``decode_warps``) compile to at most this (sm_120a, checked by tests/test_sass.py; 4 groups: 100 for sm_90a mul1
 # K=6), so occupancy is known without a compile.
@@ -143,6 +146,12 @@ def split_halves(arch: str, codebook: str, token_groups: int, bits: float) -> bo
     min_bits = SPLIT_HALVES_MIN_BITS.get(arch.rstrip("af"))
     return (min_bits is not None and bits >= min_bits and codebook != "mul1"
             and token_groups <= SPLIT_HALVES_MAX_TOKEN_GROUPS)
+
+
+def typical_sms(arch: str) -> int:
+    """SMs of the most common GPU of ``arch`` (with or without the ``a``/``f`` suffix)."""
+    limits(arch)  # a ValueError naming the known archs
+    return TYPICAL_SMS[arch.rstrip("af")]
 
 
 def limits(arch: str) -> SmLimits:

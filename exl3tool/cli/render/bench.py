@@ -83,21 +83,23 @@ def render_json(report: BenchReport) -> None:
 
 def render_sass_human(report: SassReport, console: Console) -> None:
     pipes = ("alu", "fma", "tensor", "memory", "other")
-    table = Table(title=f"SASS for {report.arch}: main-loop instructions per decoded weight (per lane)",
+    planned = f", MoE plans for {report.sm_count} SMs" if report.sm_count else ""
+    table = Table(title=f"SASS for {report.arch}{planned}: main-loop instructions per decoded weight (per lane)",
                   title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("kernel", "regs", "spill B", "LDL/STL", "smem/CTA", "loop", "per weight", *pipes):
+    for col in ("kernel", "regs", "spill B", "LDL/STL", "smem/CTA", "CTAs/SM", "loop", "per weight", *pipes):
         table.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=True)
     for r in report.rows:
         by_pipe = r.per_weight_by_pipe or {}
         spills = Text(str(r.spill_bytes), style="bold red" if r.spill_bytes else "")
         table.add_row(safe(r.kernel), str(r.registers), spills, str(r.spill_instructions),
                       f">= {r.static_smem_bytes / 1024:.1f} KiB" if r.smem_per_cta_bytes is None
-                      else f"{r.smem_per_cta_bytes / 1024:.1f} KiB",
+                      else f"{r.smem_per_cta_bytes / 1024:.1f} KiB", _f(r.ctas_per_sm, "d"),
                       _f(r.loop_instructions, "d"), _f(r.per_weight, ".2f"), *(_f(by_pipe.get(p), ".2f") for p in pipes))
     console.print(table)
     console.print(safe("per weight: the static instruction count of the innermost loop holding the MMAs / the weights "
                        "a lane decodes per iteration, split by issue pipe (kernels without MMAs: -). smem >=: static "
-                       "only, the launch sizes the dynamic part"))
+                       "only, the launch sizes the dynamic part. CTAs/SM: resident at once by threads, registers and "
+                       "shared memory (decode GEMMs)"))
 
 
 def render_sass_json(report: SassReport) -> None:
