@@ -5,6 +5,7 @@ token count up to 4096 and both routing modes; the distinct configs of SM120's s
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -60,19 +61,18 @@ def test_every_step_plans_on_every_arch(name, arch):
     blocks (shared decode, 4 tile columns a warp), which MoEGemmConfig refuses: the Qwen3-30B layer raised from 2048
     tokens on, the small layers from 256-683."""
     d = LAYERS[name]
-    for tokens in TOKENS:
-        for given in (False, True):
-            step = step_configs(d, tokens, given, arch, ARCHS[arch], "float16", "float16")
-            s = step.shape
-            private = all(g.gate_up.warp_cols == 1 for g in step.groups)
-            assert not s.ready_counters or private, (tokens, given)
-            # launches: route, per group (input rotation, gate/up, Intermediate, down), the top-k sum
-            launches = 1 + (step.topk is not None) + sum(
-                (g.rotation is not None) + 1 + (g.intermediate is not None) + 1 for g in step.groups)
-            assert launches == 1 + (step.topk is not None) + len(step.groups) * (
-                4 - s.fused_intermediate - (step.groups[0].gate_up.input is not None))
-            for c in configs_of(step):
-                assert getattr(c, "smem_bytes", 0) <= SMEM_LIMIT_BYTES or arch == "sm_90a", (tokens, c)
+    for tokens, given, dtype in itertools.product(TOKENS, (False, True), ("float16", "bfloat16")):
+        step = step_configs(d, tokens, given, arch, ARCHS[arch], dtype, dtype)
+        s = step.shape
+        private = all(g.gate_up.warp_cols == 1 for g in step.groups)
+        assert not s.ready_counters or private, (tokens, given, dtype)
+        # launches: route, per group (input rotation, gate/up, Intermediate, down), the top-k sum
+        launches = 1 + (step.topk is not None) + sum(
+            (g.rotation is not None) + 1 + (g.intermediate is not None) + 1 for g in step.groups)
+        assert launches == 1 + (step.topk is not None) + len(step.groups) * (
+            4 - s.fused_intermediate - (step.groups[0].gate_up.input is not None))
+        for c in configs_of(step):
+            assert getattr(c, "smem_bytes", 0) <= SMEM_LIMIT_BYTES or arch == "sm_90a", (tokens, c)
 
 
 def test_sm120_plans_128_row_blocks_with_the_intermediate_launch():
