@@ -60,6 +60,8 @@ def test_missing_matplotlib_exits_2(monkeypatch, tmp_path):
     (["--sass", "--moe", "8:2:64"], "--moe must be EXPERTS:TOPK:HIDDEN:INTERMEDIATE"),
     (["--sass", "--mode", "both"], "drop --mode"),
     (["--sass", "--arch", "hopper"], "--arch"),
+    (["--sass", "--arch", "sm_75"], "--arch sm_75: no SM limits known for it; known: sm_80"),
+    (["--sass", "--moe", "8:2:256:128", "--arch", "sm_75"], "--arch sm_75: no SM limits"),
     (["--format", "xml"], "--format"),
     (["--from-json", "r.json", "--shape", "8x8"], "drop --shape"),
 ])
