@@ -6,13 +6,12 @@ token count up to 4096 and both routing modes; the distinct configs of SM120's s
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_route import MoERouteConfig
-from exl3tool.ops.moe import step_configs
+from exl3tool.ops.moe import GroupShape, LayerShape, step_configs
 from exl3tool.ops.runtime import compile_with_ptx
 
 ARCHS = {"sm_120a": 170, "sm_90a": 132, "sm_80": 108}  # arch: SMs of a GPU of it (RTX 5090, H200, A100)
@@ -21,28 +20,22 @@ TOKENS = [*range(1, 300), *range(300, 4097, 37), 4096]
 
 def group(bits, codebook, intermediate, first=0, w2=None):
     w2_bits, w2_codebook = w2 or (bits, codebook)
-    return SimpleNamespace(w13_bits=float(bits), w13_codebook=codebook, w2_bits=float(w2_bits),
-                           w2_codebook=w2_codebook, intermediate_padded=intermediate, first_expert=first,
-                           suh_shift=0, suh_aligned=True)
+    return GroupShape(float(bits), codebook, float(w2_bits), w2_codebook, intermediate, first)
 
 
 # The layers of tests/gpu/test_moe.py's SYNTHETIC, as the plan sees them (shapes, K, codebooks and routing only).
 LAYERS = {
-    "qwen3-30b-shape-k4-mcg": SimpleNamespace(route=MoERouteConfig("softmax_topk", 128, 8), hidden_padded=2048,
-                                              groups=[group(4, "mcg", 768)]),
-    "k2-3inst-16-experts": SimpleNamespace(route=MoERouteConfig("softmax_topk", 16, 4, normalize=False),
-                                           hidden_padded=512, groups=[group(2, "3inst", 256)]),
-    "k3.5-mul1-shared-gated": SimpleNamespace(route=MoERouteConfig("softmax_topk", 8, 2, shared="gated"),
-                                              hidden_padded=384,
-                                              groups=[group(3.5, "mul1", 256), group(3.5, "mul1", 640, first=8)]),
-    "deepseek-grouped-sigmoid": SimpleNamespace(
-        route=MoERouteConfig("sigmoid_noaux_tc", 32, 6, n_group=4, topk_group=2, correction_bias=True,
-                             shared="ungated"),
-        hidden_padded=256, groups=[group(6, "mcg", 128), group(6, "mcg", 256, first=32)]),
-    "two-groups-k3-k5": SimpleNamespace(route=MoERouteConfig("softmax_topk", 12, 3), hidden_padded=256,
-                                        groups=[group(5, "mcg", 384, first=-1), group(3, "3inst", 384, first=-1)]),
-    "hidden-intermediate-4096": SimpleNamespace(route=MoERouteConfig("softmax_topk", 4, 2), hidden_padded=4096,
-                                                groups=[group(4, "mul1", 4096)]),
+    "qwen3-30b-shape-k4-mcg": LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048, (group(4, "mcg", 768),)),
+    "k2-3inst-16-experts": LayerShape(MoERouteConfig("softmax_topk", 16, 4, normalize=False), 512,
+                                      (group(2, "3inst", 256),)),
+    "k3.5-mul1-shared-gated": LayerShape(MoERouteConfig("softmax_topk", 8, 2, shared="gated"), 384,
+                                         (group(3.5, "mul1", 256), group(3.5, "mul1", 640, first=8))),
+    "deepseek-grouped-sigmoid": LayerShape(
+        MoERouteConfig("sigmoid_noaux_tc", 32, 6, n_group=4, topk_group=2, correction_bias=True, shared="ungated"),
+        256, (group(6, "mcg", 128), group(6, "mcg", 256, first=32))),
+    "two-groups-k3-k5": LayerShape(MoERouteConfig("softmax_topk", 12, 3), 256,
+                                   (group(5, "mcg", 384, first=-1), group(3, "3inst", 384, first=-1))),
+    "hidden-intermediate-4096": LayerShape(MoERouteConfig("softmax_topk", 4, 2), 4096, (group(4, "mul1", 4096),)),
 }
 
 

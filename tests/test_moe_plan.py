@@ -13,6 +13,8 @@ from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import (
     DeviceExpertGroup,
+    GroupShape,
+    LayerShape,
     _per_split,
     expected_blocks,
     input_rotation_layout,
@@ -38,8 +40,7 @@ def pack(ids: np.ndarray, experts: int, block_rows: int):
 
 def moe(num_experts=128, top_k=8, shared="none", hidden_p=2048, inter_p=768):
     cfg = MoERouteConfig("softmax_topk", num_experts, top_k, shared=shared)
-    group = SimpleNamespace(intermediate_padded=inter_p, w13_codebook="mcg")
-    return SimpleNamespace(route=cfg, hidden_padded=hidden_p, groups=[group])
+    return LayerShape(cfg, hidden_p, (GroupShape(4.0, "mcg", 4.0, "mcg", inter_p),))
 
 
 def routings(tokens: int, experts: int, k: int, rng):

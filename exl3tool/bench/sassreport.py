@@ -105,16 +105,14 @@ def _run(jobs, arch: str, progress) -> tuple[SassRow, ...]:
 
 
 def moe_layer(spec, bits: float, codebook: str):
-    """What ``moe.step_configs`` reads of a synthetic MoE block (``MoESpec``, Qwen3-MoE routing, one expert group
-    of K ``bits`` / ``codebook``), with no tensors."""
+    """The ``moe.LayerShape`` of a synthetic MoE block (``MoESpec``, Qwen3-MoE routing, one expert group of K
+    ``bits`` / ``codebook``)."""
     from exl3tool.format import padded
     from exl3tool.kernels.moe_route import MoERouteConfig
+    from exl3tool.ops.moe import GroupShape, LayerShape
 
-    experts = SimpleNamespace(w13_bits=float(bits), w13_codebook=codebook, w2_bits=float(bits), w2_codebook=codebook,
-                              intermediate_padded=padded(spec.intermediate), first_expert=0, suh_shift=0,
-                              suh_aligned=True)
-    return SimpleNamespace(route=MoERouteConfig("softmax_topk", spec.experts, spec.top_k),
-                           hidden_padded=padded(spec.hidden), groups=[experts])
+    experts = GroupShape(float(bits), codebook, float(bits), codebook, padded(spec.intermediate))
+    return LayerShape(MoERouteConfig("softmax_topk", spec.experts, spec.top_k), padded(spec.hidden), (experts,))
 
 
 def moe_sass_report(arch: str, specs, bits=(4.0,), codebook: str = "mcg", tokens=(1, 16, 256, 4096),

@@ -376,6 +376,30 @@ def _shared_group(mlp, expert_id: int, on, name) -> DeviceExpertGroup:
 
 
 @dataclass(frozen=True)
+class GroupShape:
+    """What the plan reads of an expert group (DeviceExpertGroup has these attributes, and its tensors): enough to
+    plan and compile a layer without a GPU (``exl3tool bench --sass --moe``, the CPU tests)."""
+
+    w13_bits: float
+    w13_codebook: str
+    w2_bits: float
+    w2_codebook: str
+    intermediate_padded: int
+    first_expert: int = 0
+    suh_shift: int = 0
+    suh_aligned: bool = True
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the plan reads of a MoE layer: DeviceMoE's route, hidden_padded and groups, without tensors."""
+
+    route: MoERouteConfig
+    hidden_padded: int
+    groups: tuple[GroupShape, ...]
+
+
+@dataclass(frozen=True)
 class StepShape:
     """What one M needs: route block, blocks bound, split-K of both GEMMs (the same for every group)."""
 
@@ -734,8 +758,8 @@ def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_g
 def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: int, x_dtype: str,
                  out_dtype: str) -> StepConfigs:
     """What a call with ``tokens`` tokens compiles and launches on ``arch`` with ``sm_count`` SMs (x and y of the
-    kernel dtype names ``x_dtype`` / ``out_dtype``): from the layer's shapes, K and codebooks alone (``d`` may be
-    any object with DeviceMoE's route, hidden_padded and groups), so that the CPU can plan and compile it too."""
+    kernel dtype names ``x_dtype`` / ``out_dtype``): from the layer's shapes, K and codebooks alone (``d``: a
+    DeviceMoE or a LayerShape), so that the CPU can plan and compile it too."""
     s = step_shape(d, tokens, sm_count, arch)
     wgmma = uses_wgmma(s.block_rows, arch)
     cfg = d.route
