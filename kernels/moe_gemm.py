@@ -62,6 +62,12 @@ from .moe_rotate import TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
 
 
+def fuses_intermediate(rows: int, warps: int, warp_cols: int) -> bool:
+    """Can a gate/up route block of ``rows`` take the fused intermediate? Its tail needs private decode (one tile
+    column a warp), at most 8 warps, and whole rows a warp."""
+    return warp_cols == 1 and warps <= 8 and rows % warps == 0
+
+
 @dataclass(frozen=True)
 class MoEGemmConfig:
     bits: float
@@ -130,8 +136,8 @@ class MoEGemmConfig:
             raise ValueError("planes must be 1 (w2) or 2 (w13)")
         if self.min_ctas_per_sm < 0:
             raise ValueError("min_ctas_per_sm is a CTA count (0: no launch bounds)")
-        if self.intermediate_splits and (self.planes != 2 or self.warp_cols != 1 or self.warps > 8
-                                         or self.tokens_per_cta % self.warps):
+        if self.intermediate_splits and (self.planes != 2
+                                         or not fuses_intermediate(self.tokens_per_cta, self.warps, self.warp_cols)):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
         if self.input is not None and self.planes != 2:
             raise ValueError("only the gate/up GEMM rotates its own input")

@@ -34,7 +34,7 @@ from exl3tool.errors import UnsupportedFeatureError
 from exl3tool.format import Codebook
 from exl3tool.kernels.gemm import fitting_config
 from exl3tool.kernels.mainloop import WGMMA_MAX_GROUPS
-from exl3tool.kernels.moe_gemm import MoEGemmConfig
+from exl3tool.kernels.moe_gemm import MoEGemmConfig, fuses_intermediate
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.kernels.trellis import x_row_halves
@@ -568,11 +568,10 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
     short = ctas_per_block13 * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
         FUSED_INTERMEDIATE_WAVES * CTAS_PER_SM * sm_count)
-    # the block-ready counters come with the fused intermediate, which needs one tile column a warp (private decode):
-    # not the mma.sync 128-row blocks' shared decode (GPUs without warpgroup MMAs, SM120 included, from a mean of 128
-    # routes an expert)
-    private = layout.get("warp_cols", 1) == 1
-    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not uses_wgmma(block_rows, arch) and private
+    # the block-ready counters come with the fused intermediate, which the mma.sync 128-row blocks' shared decode
+    # cannot take (GPUs without warpgroup MMAs, SM120 included, from a mean of 128 routes an expert)
+    fusable = fuses_intermediate(block_rows, warps, layout.get("warp_cols", 1))
+    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not uses_wgmma(block_rows, arch) and fusable
     fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short)
     return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready)
 
