@@ -35,15 +35,15 @@ def cache(tmp_path, monkeypatch):
     return folder
 
 
-def compile_as_a_new_process(builds: list, config=CONFIG):
-    """compile_cached with this process's compiled kernels forgotten, as a new process starts; ``builds`` counts
-    the compiles."""
+def compile_as_a_new_process(builds: list, config=CONFIG, key=None):
+    """compile_cached (under ``key``, by default the launcher's) with this process's compiled kernels forgotten, as a
+    new process starts; ``builds`` counts the compiles."""
     def build(options):
         builds.append(options)
         return launch.BUILDERS[type(config)](config, options)
 
     runtime._cache.clear()
-    return runtime.compile_cached((type(config).__name__, config), ARCH, build)
+    return runtime.compile_cached(key or (type(config).__name__, config), ARCH, build)
 
 
 def entries(folder):
@@ -99,14 +99,10 @@ def test_entry_names_change_with_what_shapes_the_code(monkeypatch):
 
 
 def test_a_key_without_stable_text_is_compiled_and_not_stored(cache):
-    def build(options):
-        builds.append(options)
-        return launch.BUILDERS[DequantConfig](CONFIG, options)
-
     builds = []
     key = ("DequantConfig", CONFIG, object())  # its repr names an address, different in every process
     assert entry_name((*key, ARCH), OPTIONS) is None
-    runtime.compile_cached(key, ARCH, build)
+    compile_as_a_new_process(builds, key=key)
     assert len(builds) == 1 and entries(cache) == [] and kernel_cache.counts.stored == 0
 
 
