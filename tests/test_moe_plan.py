@@ -271,3 +271,23 @@ def test_mma_sync_route_blocks_of_several_groups_skip_their_empty_ones():
                   dict(planes=2, input="float16", resident_k_tiles=32)):
         with pytest.raises(ValueError, match="group_loops"):
             dataclasses.replace(cfg, **wrong)
+
+
+def test_group_loops_leave_out_the_x_copies_of_the_groups_they_skip(monkeypatch):
+    """mainloop.x_copies_past: a thread's X copies of a stage run over the rows in order (256 threads, 16 pieces a
+    row: 16 rows each), so the 32-row blocks' 2-group loop leaves out the second of its two and the 4-group loop
+    none; a 16-row block's one copy holds rows of both groups, so its 1-group loop keeps it; with the switch off
+    every loop copies every row."""
+    import dataclasses
+
+    from exl3tool.kernels import mainloop
+    from exl3tool.ops.moe import gemm_config
+
+    cfg32, cfg16 = (gemm_config(4.0, "mcg", 1, rows, tokens=256).mainloop for rows in (32, 16))
+    assert (cfg32.warps, cfg32.x_k_tile_words * cfg32.k_tiles_per_stage // 4) == (8, 16)
+    assert [mainloop.x_copies_past(cfg32, 256, g) for g in (1, 2, 3, 4)] == [1, 1, 0, 0]
+    assert [mainloop.x_copies_past(cfg16, 256, g) for g in (1, 2)] == [0, 0]
+    four_warps = dataclasses.replace(cfg32, warps=4)  # 128 threads: 8 rows a copy
+    assert [mainloop.x_copies_past(four_warps, 128, g) for g in (1, 2, 3, 4)] == [3, 2, 1, 0]
+    monkeypatch.setattr(mainloop, "GROUP_LOOP_X_ROWS", False)
+    assert mainloop.x_copies_past(cfg32, 256, 2) == 0
