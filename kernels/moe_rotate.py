@@ -30,6 +30,7 @@ from cutlass.memory import SmemAllocator
 from . import ptx
 from .hadamard_mma import RUN, hadamard128_f16, run_column
 from .rotate import (
+    INV_SQRT_128,
     check_lane_values,
     hadamard128,
     lane_column,
@@ -75,6 +76,12 @@ def store_run(x_addr, row, rows, width, col0, values, x_order: str):
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
 SUM_WARPS = 8  # top-k sum: warps sharing a token's slots
+# Fewer SASS in the intermediate (``intermediate_row``: the Intermediate launch and the gate/up GEMMs' fused tail) and
+# the top-k sum (``park_term``: the TopKSum launch and the down GEMM's fused tail), rounding moved by ulps: SiLU's
+# exponential by ex2.approx; the up rotation's 1/128 (exact) standing for the last rotation's orthonormal scale; a
+# slot's router weight taking its rotation's scale once instead of each value. An A/B switch.
+FAST_MATH = True
+LOG2_E = 1.4426950408889634
 
 
 @cute.jit
@@ -324,14 +331,16 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
         parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
         loaded.append((col0, scales, parts))
     for col0, (gate_svh, up_svh, down_suh), parts in loaded:
-        gate, up = (hadamard128(sum_parts(part), lane) for part in parts)
+        gate = hadamard128(sum_parts(parts[0]), lane)
+        # up takes both orthonormal scales of H128 (1/128, exact) and the last rotation none: one multiply less
+        up = hadamard128(sum_parts(parts[1]), lane, 1.0 / 128 if FAST_MATH else INV_SQRT_128)
         h = [Float32(0.0)] * n
         for i in range(n):
             g = gate[i] * gate_svh[i]
             u = up[i] * up_svh[i]
             hi = silu(g) * u * down_suh[i]
             h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
-        v = hadamard128(h, lane)
+        v = hadamard128(h, lane, None if FAST_MATH else INV_SQRT_128)
         store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
 
 
@@ -339,8 +348,14 @@ def silu(g):
     """``g * sigmoid(g)`` through the approximate reciprocal (``rcp.approx``, 1 ulp; the X2 it feeds is fp16). An
     IEEE division costs a range check and a slow-path branch per value: H200, E=128 top-8 2048x768 K=4 mcg,
     Intermediate kernel us, IEEE -> approximate: M=1024 27.1 -> 23.8, M=2048 51.7 -> 44.5, M=4096 104.7 -> 94.8
-    (sm_90a SASS 840 -> 632 instructions, 56 -> 40 registers; y within 3.7e-5 of the division's)."""
-    return g * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-g))
+    (sm_90a SASS 840 -> 632 instructions, 56 -> 40 registers; y within 3.7e-5 of the division's). With
+    FAST_MATH the exponential is one ``ex2.approx`` of ``-g * log2(e)`` (2 ulp, then rounded to fp16)
+    instead of expf's range reduction (two SASS a value instead of eight)."""
+    if FAST_MATH:
+        e = cute.math.exp2(g * Float32(-LOG2_E), approx=True, ftz=True)
+    else:
+        e = cute.math.exp(-g)
+    return g * cute.arch.rcp_approx(Float32(1.0) + e)
 
 
 @dataclass(frozen=True)
@@ -394,7 +409,10 @@ class TopKSum:
 def park_term(sTerm, at, weight, summed_part, svh, lane):
     """Slot term ``weight * H128(sum of the splits) * down_svh`` of one 128-column block into ``sTerm[at ..]``
     (the lane's 4 columns). Traced inline."""
-    v = hadamard128(summed_part, lane)
+    if FAST_MATH:  # the rotation's orthonormal scale with the weight, once
+        v, weight = hadamard128(summed_part, lane, None), weight * Float32(INV_SQRT_128)
+    else:
+        v = hadamard128(summed_part, lane)
     for i in range(4):
         sTerm[at + 4 * lane + i] = weight * (v[i] * svh[i])
 

@@ -40,10 +40,11 @@ DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16, "float32": c
 DTYPE_NAMES = {t: name for name, t in DTYPES.items()}
 
 
-def hadamard128(v, lane):
+def hadamard128(v, lane, scale: float | None = INV_SQRT_128):
     """Rotate the 128-vectors spread over a warp as ``len(v)`` = 4 or 8 consecutive values per lane (one vector
-    per 32 or 16 lanes), returned new. The seven butterfly stages run in index-bit order whatever the split (the
-    low bits in registers, the high ones as ``shfl.bfly`` with lanes ``l ^ 1 ..``), so both give the same bits."""
+    per 32 or 16 lanes), returned new, times ``scale`` (orthonormal by default; None: no multiply). The seven
+    butterfly stages run in index-bit order whatever the split (the low bits in registers, the high ones as
+    ``shfl.bfly`` with lanes ``l ^ 1 ..``), so both give the same bits."""
     n = len(v)
     register_bits = {4: 2, 8: 3}[n]
     for bit in range(register_bits):
@@ -58,7 +59,7 @@ def hadamard128(v, lane):
         # The lane with the bit set holds the "minus" side: new = partner - self; otherwise partner + self.
         sign = Float32(1.0) - Float32(2.0) * Float32((lane >> bit) & 1)
         v = [cute.arch.shuffle_sync_bfly(x, offset) + sign * x for x in v]
-    return [x * Float32(INV_SQRT_128) for x in v]
+    return v if scale is None else [x * Float32(scale) for x in v]
 
 
 def lane_column(block, lane, n: int):
