@@ -86,8 +86,9 @@ LOG2_E = 1.4426950408889634
 
 @cute.jit
 def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, row: Int32,
-                 block_rows: Int32):
-    """(route or -1, row in the group's stacked tensors or -1) of packed row ``row``."""
+                 block_rows):
+    """(route or -1, row in the group's stacked tensors or -1) of packed row ``row`` (``block_rows``: an Int32, or a
+    Python int where the kernel knows it at compile time)."""
     expert = Int32(-1)
     route = Int32(-1)
     p = Int32(-1)
@@ -280,6 +281,9 @@ class IntermediateConfig:
     # once, and every block's partials and scales are loaded before the first butterfly.
     blocks_per_warp: int = 1
     lane_values: int = 4  # a lane's columns of a block: 4, or 8 (two blocks at once: blocks_per_warp even)
+    # Route block rows as a compile-time constant (a row's block by a multiply-high instead of a 25-SASS division by
+    # the launch's ``block_rows`` argument); 0: that argument.
+    block_rows: int = 0
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
@@ -308,7 +312,8 @@ class Intermediate:
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
         row = rows * ROWS_PER_CTA + tid // 32
-        route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row, block_rows)
+        route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row,
+                                self.cfg.block_rows if self.cfg.block_rows else block_rows)
         if route >= 0 and p >= 0:
             intermediate_row(mP, mRot, mX2, row, p, block * self.cfg.blocks_per_warp, lane, inter_true,
                              self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp, self.cfg.lane_values)

@@ -521,6 +521,27 @@ def test_fast_math_trims_the_intermediate_and_the_top_k_sum(monkeypatch):
     assert fast[topk].total() < exact[topk].total() and fast[topk]["FMUL"] < exact[topk]["FMUL"]
 
 
+def test_the_intermediate_finds_a_rows_block_without_a_division(monkeypatch):
+    """moe.INTERMEDIATE_CONSTANT_BLOCK_ROWS: the planner compiles the Intermediate launch for its route block size,
+    so a packed row's block comes from a multiply-high (sm_90a: no I2F.RP reciprocal of the division, fewer SASS);
+    with the switch off the launch's argument divides as before."""
+    from collections import Counter
+
+    from exl3tool import sass
+
+    def counts(cfg):
+        cubin = sass.compile_cubin(lambda options: moe_kernels.build_intermediate(cfg, options), "sm_90a")
+        ((instructions, _, _),) = sass.disassemble(cubin).values()
+        return Counter(i.opcode for i in instructions if i.root != "NOP")
+
+    constant = moe_ops.intermediate_config(1, "stages", 6, 320)
+    monkeypatch.setattr(moe_ops, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", False)
+    argument = moe_ops.intermediate_config(1, "stages", 6, 320)
+    assert (constant.block_rows, argument.block_rows) == (320, 0)
+    fast, slow = counts(constant), counts(argument)
+    assert slow["I2F.RP"] == 1 and fast["I2F.RP"] == 0 and fast.total() < slow.total()
+
+
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("routes,x_order,shift", [(8, "stages", 6), (9, "rows", 0), (3, "stages", -1)])
 def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, arch):

@@ -65,6 +65,10 @@ INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
 # bits) or 4. H200, E=128 top-8 2048x768 K=4 mcg, Intermediate kernel us, two rounds, y bit-identical (4 -> 8):
 # M=1024 27.8 / 27.8 -> 27.2 / 27.2, M=4096 107.5 / 108.3 -> 105.2 / 105.5; M=256 10.3 / 10.4 -> 10.5 / 10.7.
 INTERMEDIATE_LANE_VALUES = 8
+# The Intermediate launch compiled per route block size (IntermediateConfig.block_rows): a packed row's block by a
+# multiply-high, not a division by the launch's argument (sm_90a, two blocks a warp: see docs/perf.md, forty-fourth
+# session). An A/B switch.
+INTERMEDIATE_CONSTANT_BLOCK_ROWS = True
 # Route blocks of warpgroup-MMA GEMMs (X in rows or stages order) take the route input rotation a warp per 8
 # routes, its H128s on the tensor cores (RouteInputRotationConfig.hadamard "mma", kernels.hadamard_mma; fp16 x,
 # 16-byte aligned suh). The shuffle rotation is issue- and L1-bound (H200 ncu, M=4096: 75% issue, L1 87%).
@@ -451,11 +455,13 @@ def intermediate_blocks_per_warp(blocks: int) -> int:
     return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP + 1) if blocks % d == 0)
 
 
-def intermediate_config(splits: int, x_order: str, blocks: int) -> IntermediateConfig:
+def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0) -> IntermediateConfig:
     """The Intermediate launch for an intermediate of ``blocks`` 128-column blocks: blocks a warp as above, and
-    INTERMEDIATE_LANE_VALUES a lane where they are even."""
+    INTERMEDIATE_LANE_VALUES a lane where they are even; route blocks of ``block_rows`` compiled in where
+    INTERMEDIATE_CONSTANT_BLOCK_ROWS."""
     per_warp = intermediate_blocks_per_warp(blocks)
-    return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4)
+    return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4,
+                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0)
 
 
 def resident_input(tokens: int, given: bool) -> bool:
@@ -790,7 +796,8 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
                          weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
         rotation = None if resident else replace(
             input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
-        intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128)
+        intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128,
+                                                                              s.block_rows)
         per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
         per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
         if resident:
