@@ -717,21 +717,25 @@ def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
 def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
     """The Intermediate launch computes each 128-column block of a row the same way however many blocks a warp
     takes (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) and however many values a lane holds (moe.INTERMEDIATE_LANE_VALUES:
-    8 where the blocks a warp are even), so y is bit-identical; the launched kernel is the planned config."""
+    8 where the blocks a warp are even), and whether it knows the route block size at compile time
+    (moe.INTERMEDIATE_CONSTANT_BLOCK_ROWS), so y is bit-identical; the launched kernel is the planned config."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     m = 1024
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     blocks = dmoe.groups[0].intermediate_padded // 128
     outs = []
-    for most, lane_values in ((1, 4), (2, 4), (3, 4), (2, 8), (3, 8)):
+    for most, lane_values, constant in ((1, 4, True), (2, 4, True), (3, 4, True), (2, 8, True), (3, 8, True),
+                                        (2, 8, False)):
         with monkeypatch.context() as patch:
             patch.setattr(moe_ops, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", most)
             patch.setattr(moe_ops, "INTERMEDIATE_LANE_VALUES", lane_values)
+            patch.setattr(moe_ops, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", constant)
             plan = plan_moe(dmoe, m)
             shape = plan.step(m, False).shape
             split2 = moe_ops.group_splits(plan.arch, dmoe.groups[0], shape.block_rows)[1]
             order = moe_ops.x_order(shape.block_rows, split2, moe_ops.uses_wgmma(shape.block_rows, plan.arch))
-            wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4)
+            wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
+                                        shape.block_rows if constant else 0)
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
             assert blocks % most == 0 and inter == [moe_ops.K.compiled(wanted, plan.arch)]
             poison(plan)
