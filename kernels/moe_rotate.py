@@ -76,10 +76,10 @@ def store_run(x_addr, row, rows, width, col0, values, x_order: str):
 ROWS_PER_CTA = 4  # one warp per row
 BLOCKS_PER_CTA = 4  # input rotation: one warp per 128-column block of one token
 SUM_WARPS = 8  # top-k sum: warps sharing a token's slots
-# Fewer SASS in the intermediate (``intermediate_row``: the Intermediate launch and the gate/up GEMMs' fused tail) and
-# the top-k sum (``park_term``: the TopKSum launch and the down GEMM's fused tail), rounding moved by ulps: SiLU's
-# exponential by ex2.approx; the up rotation's 1/128 (exact) standing for the last rotation's orthonormal scale; a
-# slot's router weight taking its rotation's scale once instead of each value. An A/B switch.
+# Fewer SASS in the intermediate (``intermediate_row``: the Intermediate launch and the gate/up GEMMs' fused tail),
+# rounding moved by ulps: SiLU's exponential by ex2.approx; the up rotation's 1/128 (exact) standing for the last
+# rotation's orthonormal scale. (A top-k slot's weight taking its rotation's scale once cut the TopKSum's SASS 433 ->
+# 418 but let ptxas issue one block's partials, not two, before the first butterfly: not done.) An A/B switch.
 FAST_MATH = True
 LOG2_E = 1.4426950408889634
 
@@ -414,10 +414,7 @@ class TopKSum:
 def park_term(sTerm, at, weight, summed_part, svh, lane):
     """Slot term ``weight * H128(sum of the splits) * down_svh`` of one 128-column block into ``sTerm[at ..]``
     (the lane's 4 columns). Traced inline."""
-    if FAST_MATH:  # the rotation's orthonormal scale with the weight, once
-        v, weight = hadamard128(summed_part, lane, None), weight * Float32(INV_SQRT_128)
-    else:
-        v = hadamard128(summed_part, lane)
+    v = hadamard128(summed_part, lane)
     for i in range(4):
         sTerm[at + 4 * lane + i] = weight * (v[i] * svh[i])
 
