@@ -144,9 +144,9 @@ def stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_
 
 def x_copies_past(cfg, threads, groups: int) -> int:
     """How many of ``stage_copies``' mma.sync X copies (the last ones) hold only rows past the CTA's first
-    ``groups`` token groups: a main loop that multiplies those groups alone leaves them out. A copy holding rows of
-    both copies all its rows (its size by a predicate made per loop cost the 16-row blocks' loops 1% more SASS on
-    sm_90a, ``GROUP_LOOP_X_ROWS``)."""
+    ``groups`` token groups: a main loop that multiplies those groups alone leaves them out (none with
+    GROUP_LOOP_X_ROWS off). A copy with rows on both sides still copies all of them: its size as a predicate made
+    per loop cost the 16-row blocks' loops 1% more SASS on sm_90a."""
     if not GROUP_LOOP_X_ROWS:
         return 0
     row_chunks = cfg.x_k_tile_words * cfg.k_tiles_per_stage // 4
