@@ -603,3 +603,25 @@ def test_route_blocks_compile_a_main_loop_for_each_group_count(arch, rows):
             new, old = sass.gemm_report(cfg, arch), sass.gemm_report(every, arch)
             ctas = [resident_ctas(arch, 32 * cfg.warps, cfg.smem_bytes, k.registers) for k in (new, old)]
             assert new.spill_instructions == 0 and ctas[0] >= ctas[1], (planes, new.registers, old.registers)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_sixteen_row_gate_up_reads_x_in_fragment_order(arch):
+    """moe.GATE_UP_FRAGMENT_ORDER_ROWS (16-row route blocks, 8 warps at M = 96): the gate/up GEMM reads its X in
+    fragment order, one 16-byte shared load per k-tile for both token groups instead of four 4-byte ones: fewer
+    shared loads and SASS a weight in the main loop than with X in rows, the same MMAs, no spills and no fewer CTAs
+    an SM. Down's X2 stays in rows (fragments took its registers from 42 to 64 on sm_90a)."""
+    from exl3tool import sass
+    from exl3tool.ops.targets import resident_ctas
+
+    fields = dict(intermediate_splits=1, ready_signal=True, weights_before_wait=True, x2_order=x_order(16))
+    cfg = gemm_config(4.0, "mcg", 2, 16, tokens=96, **fields)
+    rows = dataclasses.replace(cfg, x_order="rows")
+    assert (cfg.x_order, cfg.x2_order, cfg.warps) == ("fragments", "rows", 8)
+    assert gemm_config(4.0, "mcg", 1, 16, tokens=96, ready_wait=True).x_order == "rows"
+    new, old = sass.gemm_report(cfg, arch), sass.gemm_report(rows, arch)
+    loads = [k.main_loop.by_opcode.get("LDS", 0) for k in (new, old)]
+    assert new.main_loop.mmas == old.main_loop.mmas > 0 and loads[0] < loads[1], loads
+    assert new.per_weight < old.per_weight - 0.3, (new.per_weight, old.per_weight)
+    ctas = [resident_ctas(arch, 32 * cfg.warps, k.smem_per_cta_bytes, k.registers) for k in (new, old)]
+    assert new.spill_instructions == 0 and ctas[0] >= ctas[1], (new.registers, old.registers)

@@ -144,6 +144,18 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
         "doubled", "rows", "fragments", "rows"]
 
 
+def test_sixteen_row_blocks_write_gate_up_x_alone_in_fragment_order(monkeypatch):
+    """moe.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks take gate/up's X (the input rotation's output) in
+    fragment order and keep down's X2 in rows; off, both in rows. 32-row blocks take both in fragments either way."""
+    from exl3tool.ops.moe import gemm_config, x_order
+
+    orders = lambda rows: (x_order(rows, gate_up=True), x_order(rows), gemm_config(4.0, "mcg", 2, rows).x_order,
+                           gemm_config(4.0, "mcg", 1, rows).x_order)
+    assert orders(16) == ("fragments", "rows", "fragments", "rows") and orders(32) == ("fragments",) * 4
+    monkeypatch.setattr(moe_ops, "GATE_UP_FRAGMENT_ORDER_ROWS", ())
+    assert orders(16) == ("rows",) * 4 and orders(32) == ("fragments",) * 4
+
+
 def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
     """8- and 16-row route blocks take 8-warp CTAs from moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS and at the token counts
     in EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4): there its CTAs take twice the columns and split-K fills the SMs again

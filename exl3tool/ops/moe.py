@@ -122,6 +122,11 @@ EIGHT_WARP_SMALL_BLOCK_TOKENS: tuple[int, ...] = (4,)
 # -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777)
 # nor 16 at 8 warps (M=80 190.70 -> 192.35, M=96 192.15 -> 194.07: its down GEMM takes 64 registers, not 42).
 FRAGMENT_ORDER_ROWS = (32, 64)
+# Candidate (not measured): route blocks whose gate/up X alone is in fragment order, down's X2 staying in rows. At 16
+# rows (8 warps) the gate/up main loop loads a k-tile's B words of both token groups by one 16-byte shared load
+# instead of four 4-byte ones (sm_90a 6.22 -> 5.84 SASS a weight, 42 -> 46 registers, five CTAs an SM either way;
+# sm_120a 6.18 -> 5.81, 44 -> 64, three either way), where X2 in fragment order took down to 64 registers (above).
+GATE_UP_FRAGMENT_ORDER_ROWS = (16,)
 # Where the GPU has warpgroup MMAs (sm_90a), route blocks from this many rows multiply with them (the dense GEMM's
 # layout, targets.WGMMA_LAYOUT: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is
 # made by the copies). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical: M=4096 (128-row blocks) 1706.7
@@ -497,14 +502,15 @@ def uses_wgmma(block_rows: int, arch: str | None) -> bool:
     return has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
 
 
-def x_order(block_rows: int, split: bool = False, wgmma: bool = False) -> str:
-    """Column order of a GEMM's input (X or X2) for route blocks of ``block_rows``: doubled for split halves,
-    ``targets.wgmma_x_order`` for warpgroup MMAs."""
+def x_order(block_rows: int, split: bool = False, wgmma: bool = False, gate_up: bool = False) -> str:
+    """Column order of a GEMM's input for route blocks of ``block_rows``: gate/up's X (``gate_up``) or down's X2.
+    Doubled for split halves, ``targets.wgmma_x_order`` for warpgroup MMAs."""
     if split:
         return "doubled"
     if wgmma:
         return targets.wgmma_x_order(block_rows)
-    return "fragments" if block_rows in FRAGMENT_ORDER_ROWS else "rows"
+    fragments = block_rows in FRAGMENT_ORDER_ROWS or (gate_up and block_rows in GATE_UP_FRAGMENT_ORDER_ROWS)
+    return "fragments" if fragments else "rows"
 
 
 def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
@@ -530,7 +536,7 @@ def gemm_layout(block_rows: int, codebook: str, wgmma: bool = False, tokens: int
 
 def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma: bool = False, tokens: int = 0,
                 **fields) -> MoEGemmConfig:
-    fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma))
+    fields.setdefault("x_order", x_order(block_rows, fields.get("split_halves", False), wgmma, planes == 2))
     fields.setdefault("mbarriers", wgmma and block_rows >= MBARRIER_MIN_ROWS)
     fields.setdefault("skip_padding_tail", SKIP_PADDING_TAIL and wgmma and block_rows > 8 * WGMMA_MAX_GROUPS)
     fields.setdefault("group_loops", () if wgmma else GROUP_LOOPS.get(block_rows, ()))
@@ -633,7 +639,7 @@ class MoEPlan:
             for g in dmoe.groups:
                 split13, split2 = group_splits(self.arch, g, s.block_rows)
                 wgmma = uses_wgmma(s.block_rows, self.arch)
-                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13, wgmma)))
+                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13, wgmma, True)))
                 x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, x_order(s.block_rows, split2, wgmma)))
         self.xr = new(x_halves, torch.float16)
         self.p13 = new(max(s.splits13 * s.rows for s in shapes) * 2 * i_p, torch.float32)
@@ -779,7 +785,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     for g in d.groups:
         i_p = g.intermediate_padded
         split13, split2 = group_splits(arch, g, s.block_rows)
-        order13, order2 = x_order(s.block_rows, split13, wgmma), x_order(s.block_rows, split2, wgmma)
+        order13, order2 = x_order(s.block_rows, split13, wgmma, True), x_order(s.block_rows, split2, wgmma)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
         early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
         early13 = early_gate_up(tokens, resident, wgmma)

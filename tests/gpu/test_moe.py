@@ -446,6 +446,27 @@ def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
+                                    ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
+def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
+    """moe.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks with gate/up's X in fragment order (the input rotation
+    writes it so, the GEMM reads a k-tile's B words by one 16-byte load) run the same MMAs as with X in rows: y is
+    bit-identical, eagerly (twice) and in graph replay, and within MAX_REL of the reference."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for on in (True, False):
+        y, made, plan = layer_with(monkeypatch, dmoe, x, {"GATE_UP_FRAGMENT_ORDER_ROWS": (16,) if on else ()})
+        assert plan.step(m, False).shape.block_rows == 16
+        assert [c.x_order for c in made] == [("fragments" if on and c.planes == 2 else "rows") for c in made]
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), (name, m)
+    ids, weights = (t.clone() for t in routes(plan, m))
+    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
                                      ("two-groups-k3-k5", (2,))])
 def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, name, ms, monkeypatch):
