@@ -60,7 +60,9 @@ from .trellis import (
 # for all of its MMAs before each stage's decode.
 CHUNK_UNROLL = 2
 # A group loop (``decode_mma_loop``'s ``group_loops``) leaves out the X copies of the token groups it does not
-# multiply (``x_copies_past``): an A/B switch.
+# multiply (``x_copies_past``; sm_90a 32-row 2-group loops 8 -> 6 LDGSTS an iteration). H200, E=128 top-8 2048x768
+# K=4 mcg, layer graph, three rounds, y bit-identical, us (off -> on): M=160 206.73 -> 203.02, M=256 227.67 -> 226.00
+# (docs/perf.md, forty-seventh session). An A/B switch.
 GROUP_LOOP_X_ROWS = True
 WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 

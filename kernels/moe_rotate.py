@@ -79,7 +79,10 @@ SUM_WARPS = 8  # top-k sum: warps sharing a token's slots
 # Fewer SASS in the intermediate (``intermediate_row``: the Intermediate launch and the gate/up GEMMs' fused tail),
 # rounding moved by ulps: SiLU's exponential by ex2.approx; the up rotation's 1/128 (exact) standing for the last
 # rotation's orthonormal scale. (A top-k slot's weight taking its rotation's scale once cut the TopKSum's SASS 433 ->
-# 418 but let ptxas issue one block's partials, not two, before the first butterfly: not done.) An A/B switch.
+# 418 but let ptxas issue one block's partials, not two, before the first butterfly: not done.) H200, E=128 top-8
+# 2048x768 K=4 mcg, three rounds, us (off -> on): Intermediate kernel M=1024 23.17 -> 22.57, M=4096 97.09 -> 92.91;
+# layer M=1 24.69 -> 24.56, M=16 103.12 -> 102.94 (within the spread) (docs/perf.md, forty-seventh session). An A/B
+# switch.
 FAST_MATH = True
 LOG2_E = 1.4426950408889634
 

@@ -66,8 +66,9 @@ INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
 # M=1024 27.8 / 27.8 -> 27.2 / 27.2, M=4096 107.5 / 108.3 -> 105.2 / 105.5; M=256 10.3 / 10.4 -> 10.5 / 10.7.
 INTERMEDIATE_LANE_VALUES = 8
 # The Intermediate launch compiled per route block size (IntermediateConfig.block_rows): a packed row's block by a
-# multiply-high, not a division by the launch's argument (sm_90a, two blocks a warp: see docs/perf.md, forty-fourth
-# session). An A/B switch.
+# multiply-high, not a division by the launch's argument (sm_90a 558 -> 528 SASS, two blocks a warp). H200, E=128 top-8
+# 2048x768 K=4 mcg, Intermediate kernel us, three rounds, y bit-identical (off -> on): M=1024 23.26 -> 22.57, M=4096
+# 96.86 -> 92.91 (docs/perf.md, forty-seventh session). An A/B switch.
 INTERMEDIATE_CONSTANT_BLOCK_ROWS = True
 # Route blocks of warpgroup-MMA GEMMs (X in rows or stages order) take the route input rotation a warp per 8
 # routes, its H128s on the tensor cores (RouteInputRotationConfig.hadamard "mma", kernels.hadamard_mma; fp16 x,
@@ -122,10 +123,13 @@ EIGHT_WARP_SMALL_BLOCK_TOKENS: tuple[int, ...] = (4,)
 # -> 132.0) nor 128 (shared decode, M=4096: 1779 -> 2094, 148 registers leave one CTA per SM; capped to two, 1777)
 # nor 16 at 8 warps (M=80 190.70 -> 192.35, M=96 192.15 -> 194.07: its down GEMM takes 64 registers, not 42).
 FRAGMENT_ORDER_ROWS = (32, 64)
-# Candidate (not measured): route blocks whose gate/up X alone is in fragment order, down's X2 staying in rows. At 16
-# rows (8 warps) the gate/up main loop loads a k-tile's B words of both token groups by one 16-byte shared load
-# instead of four 4-byte ones (sm_90a 6.22 -> 5.84 SASS a weight, 42 -> 46 registers, five CTAs an SM either way;
-# sm_120a 6.18 -> 5.81, 44 -> 64, three either way), where X2 in fragment order took down to 64 registers (above).
+# Route blocks whose gate/up X alone is in fragment order, down's X2 staying in rows. At 16 rows (8 warps) the gate/up
+# main loop loads a k-tile's B words of both token groups by one 16-byte shared load instead of four 4-byte ones
+# (sm_90a 6.22 -> 5.84 SASS a weight, 42 -> 46 registers, five CTAs an SM either way; sm_120a 6.18 -> 5.81, 44 -> 64,
+# three either way), where X2 in fragment order took down to 64 registers (above). H200, E=128 top-8 2048x768 K=4
+# mcg, layer graph, three rounds, y bit-identical, us (off -> on): M=96 182.13 -> 178.13, M=128 189.29 -> 186.96;
+# X2 too (FRAGMENT_ORDER_ROWS with 16, its down GEMM held to five CTAs an SM) 185.13 and 194.89 (docs/perf.md,
+# forty-seventh session).
 GATE_UP_FRAGMENT_ORDER_ROWS = (16,)
 # Where the GPU has warpgroup MMAs (sm_90a), route blocks from this many rows multiply with them (the dense GEMM's
 # layout, targets.WGMMA_LAYOUT: two warpgroups, 4 k-tiles per stage; X and X2 in row order, the MMA's swizzled layout is
