@@ -137,6 +137,13 @@ GATE_UP_FRAGMENT_ORDER_ROWS = (16,)
 # -> 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost, 254.5
 # -> 271.0 (its half-empty blocks still pay for every decoded weight).
 MOE_WGMMA_MIN_ROWS = 64
+# Route blocks of these sizes keep mma.sync below this mean of routes an expert even where the GPU has warpgroup MMAs:
+# their group loops (GROUP_LOOPS) skip the empty token groups for which a warpgroup MMA pays, and the gate/up GEMM
+# does the intermediate (ready counters: a launch fewer). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, three
+# rounds, us (warpgroup MMAs -> mma.sync with group loops (4, 8)): M=320 (mean 20) 295.00 -> 271.13, M=384 (24)
+# 298.32 -> 278.41 and 298.60 -> 278.61; M=448 (28) 301.37 -> 301.40, M=480 (30) 302.99 -> 305.20, M=512 (32) 305.74
+# -> 326.31; mma.sync without the group loops M=384 363.34, M=448 368.76 (docs/perf.md, forty-seventh session).
+SYNC_BELOW_MEAN = {64: 28}
 # Warpgroup-MMA route blocks of these sizes take these fields over targets.WGMMA_LAYOUT: 64-row blocks the dense
 # GEMM's rolled 8-k-tile stages (targets.DENSE_WGMMA_SMALL_LAYOUT; sm_90a 7.91 -> 6.44 SASS a weight, 100 -> 126
 # registers, two CTAs an SM either way). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y
@@ -165,7 +172,7 @@ SKIP_PADDING_TAIL = True
 # call: (2, 4) / (1, 2, 3, 4) / (2, 3, 4) M=160 207.50 / 208.60 / 209.72, M=192 211.92 / 211.89 / 213.03, M=256
 # 227.30 / 225.89 / 226.24, within the spreads (up to 2.0); (2, 4) keeps down at 60 registers (sm_90a; 68 with every
 # count, three CTAs an SM instead of four) and gate/up at 68 (80 before) (docs/perf.md, forty-third session).
-GROUP_LOOPS = {16: (1, 2), 32: (2, 4)}
+GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (4, 8)}  # 64: see SYNC_BELOW_MEAN
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is short: at most FUSED_INTERMEDIATE_WAVES waves of CTAS_PER_SM a SM, counting the blocks of
 # the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last one's
@@ -423,6 +430,7 @@ class StepShape:
     splits2: int
     fused_intermediate: bool = False  # the gate/up GEMM does the intermediate step (FUSED_INTERMEDIATE_ROWS)
     ready_counters: bool = False  # down waits for block-ready counters, not for gate/up's grid (READY_COUNTERS_...)
+    wgmma: bool = False  # the GEMMs multiply with warpgroup MMAs (uses_wgmma)
 
     @property
     def rows(self) -> int:
@@ -501,9 +509,10 @@ def early_gate_up(tokens: int, resident: bool, wgmma: bool) -> bool:
     return tokens >= EARLY_GATE_UP_WEIGHTS_MIN_TOKENS and not resident and not wgmma
 
 
-def uses_wgmma(block_rows: int, arch: str | None) -> bool:
-    """Do route blocks of ``block_rows`` multiply with warpgroup MMAs on ``arch`` (None: the arch-free plan)?"""
-    return has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS
+def uses_wgmma(block_rows: int, arch: str | None, mean: float) -> bool:
+    """Do route blocks of ``block_rows`` multiply with warpgroup MMAs on ``arch`` (None: the arch-free plan) at
+    ``mean`` routes an expert?"""
+    return has_wgmma(arch) and block_rows >= MOE_WGMMA_MIN_ROWS and mean >= SYNC_BELOW_MEAN.get(block_rows, 0)
 
 
 def x_order(block_rows: int, split: bool = False, wgmma: bool = False, gate_up: bool = False) -> str:
@@ -571,10 +580,12 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     k = cfg.routes_per_token
     routes = tokens * k
     largest = LARGEST_BLOCK_ROWS["wgmma" if has_wgmma(arch) else "sync"]
-    block_rows = block_rows_for(tokens * cfg.top_k / cfg.num_experts, largest)
+    mean = tokens * cfg.top_k / cfg.num_experts
+    block_rows = block_rows_for(mean, largest)
+    wgmma = uses_wgmma(block_rows, arch, mean)
     # split-K's estimate: the first group's layout
-    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch), tokens)
-    warps = block_warps(block_rows, dmoe.groups[0].w13_codebook, uses_wgmma(block_rows, arch), tokens)
+    layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, wgmma, tokens)
+    warps = block_warps(block_rows, dmoe.groups[0].w13_codebook, wgmma, tokens)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
     # every expert that gets a route needs at most one partly filled block
     blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
@@ -587,9 +598,9 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     # the block-ready counters come with the fused intermediate, which the mma.sync 128-row blocks' shared decode
     # cannot take (GPUs without warpgroup MMAs, SM120 included, from a mean of 128 routes an expert)
     fusable = fuses_intermediate(block_rows, warps, layout.get("warp_cols", 1))
-    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not uses_wgmma(block_rows, arch) and fusable
+    ready = tokens >= READY_COUNTERS_MIN_TOKENS and not wgmma and fusable
     fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short)
-    return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready)
+    return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready, wgmma)
 
 
 def expected_blocks(cfg: MoERouteConfig, tokens: int, block_rows: int) -> float:
@@ -642,9 +653,9 @@ class MoEPlan:
         for s in shapes:
             for g in dmoe.groups:
                 split13, split2 = group_splits(self.arch, g, s.block_rows)
-                wgmma = uses_wgmma(s.block_rows, self.arch)
-                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, x_order(s.block_rows, split13, wgmma, True)))
-                x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, x_order(s.block_rows, split2, wgmma)))
+                order13, order2 = x_order(s.block_rows, split13, s.wgmma, True), x_order(s.block_rows, split2, s.wgmma)
+                x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, order13))
+                x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, order2))
         self.xr = new(x_halves, torch.float16)
         self.p13 = new(max(s.splits13 * s.rows for s in shapes) * 2 * i_p, torch.float32)
         self.x2 = new(x2_halves, torch.float16)
@@ -776,7 +787,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     kernel dtype names ``x_dtype`` / ``out_dtype``): from the layer's shapes, K and codebooks alone (``d``: a
     DeviceMoE or a LayerShape), so that the CPU can plan and compile it too."""
     s = step_shape(d, tokens, sm_count, arch)
-    wgmma = uses_wgmma(s.block_rows, arch)
+    wgmma = s.wgmma
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,

@@ -672,18 +672,19 @@ def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
     assert rel(outs[True][2], reference_given(reader, moe, x, given.long(), weights)) < MAX_REL
 
 
-@pytest.mark.parametrize("m,rows,loops", [(256, 32, (2, 4)), (256, 32, (1, 2, 3, 4)), (96, 16, (1, 2))])
+@pytest.mark.parametrize("m,rows,loops", [(256, 32, (2, 4)), (256, 32, (1, 2, 3, 4)), (96, 16, (1, 2)),
+                                         (384, 64, (4, 8))])
 def test_skipping_empty_token_groups_changes_no_bit(synthetic, m, rows, loops, monkeypatch):
-    """16- and 32-row mma.sync route blocks multiply only their token groups that hold routes, rounded up to a count
-    of the main loops compiled, and store only their partials (moe.GROUP_LOOPS): y bit-identical to blocks that
+    """16-, 32- and 64-row mma.sync route blocks multiply only their token groups that hold routes, rounded up to a
+    count of the main loops compiled, and store only their partials (moe.GROUP_LOOPS): y bit-identical to blocks that
     multiply every group, with the scratch NaN-poisoned (nothing reads a padding row), for the router's routes and
-    for given ones that put 0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33 and 65 routes on single experts (each
-    group edge of a block, and a second and third block), and within MAX_REL of the reference."""
+    for given ones that put 0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 63, 64 and 65 routes on single
+    experts (each group edge of a block, and a second and third block), and within MAX_REL of the reference."""
     reader = synthetic("qwen3-30b-shape-k4-mcg")
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
     k, e = moe.routing.top_k, moe.num_experts
-    given = given_routes(m, k, e, [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 65])
+    given = given_routes(m, k, e, [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 63, 64, 65])
     weights = torch.rand(m, k, device="cuda")
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     outs = {}
@@ -754,7 +755,7 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
             plan = plan_moe(dmoe, m)
             shape = plan.step(m, False).shape
             split2 = moe_ops.group_splits(plan.arch, dmoe.groups[0], shape.block_rows)[1]
-            order = moe_ops.x_order(shape.block_rows, split2, moe_ops.uses_wgmma(shape.block_rows, plan.arch))
+            order = moe_ops.x_order(shape.block_rows, split2, shape.wgmma)
             wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
                                         shape.block_rows if constant else 0)
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
@@ -791,7 +792,7 @@ def test_input_rotation_on_tensor_cores_matches_the_shuffle_rotation(synthetic, 
             plan = plan_moe(dmoe, m)
             step = plan.step(m, False)
             block_rows = step.shape.block_rows
-            assert moe_ops.uses_wgmma(block_rows, plan.arch)
+            assert step.shape.wgmma
             order = moe_ops.x_order(block_rows, False, True)
             launched = [fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
             for g in dmoe.groups:
@@ -832,7 +833,7 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
             step = plan.step(m, False)
             if slot_groups:
                 shape = step.shape
-                wgmma = moe_ops.uses_wgmma(shape.block_rows, plan.arch)
+                wgmma = shape.wgmma
                 for g in dmoe.groups:
                     split13 = moe_ops.group_splits(plan.arch, g, shape.block_rows)[0]
                     cfg = RouteInputRotationConfig("float16", k, min(slot_groups, k),
