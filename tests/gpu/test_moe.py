@@ -798,8 +798,8 @@ def test_input_rotation_on_tensor_cores_matches_the_shuffle_rotation(synthetic, 
             for g in dmoe.groups:
                 assert 1 / 2 <= max(g.gate_suh.abs().max(), g.up_suh.abs().max()) * 2.0 ** g.suh_shift <= 1
                 want = (RouteInputRotationConfig("float16", k, x_order=order, hadamard="mma", suh_shift=g.suh_shift)
-                        if mma else plan.input_rotation(g, True, order, *moe_ops.input_rotation_layout(
-                            m, dmoe.hidden_padded // 128, k, plan.sm_count)))
+                        if mma else moe_ops.input_rotation_config(g, True, order, *moe_ops.input_rotation_layout(
+                            m, dmoe.hidden_padded // 128, k, plan.sm_count), "float16", k))
                 assert want.hadamard == ("mma" if mma else "shuffle")
                 assert moe_ops.K.compiled(want, plan.arch) in launched
             poison(plan)
