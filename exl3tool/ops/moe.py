@@ -526,6 +526,12 @@ def x_order(block_rows: int, split: bool = False, wgmma: bool = False, gate_up: 
     return "fragments" if fragments else "rows"
 
 
+def group_x_orders(arch: str, group, s: StepShape) -> tuple[str, str]:
+    """Column orders of a group's X (gate/up's input) and X2 (down's) at step ``s`` (x_order)."""
+    split13, split2 = group_splits(arch, group, s.block_rows)
+    return x_order(s.block_rows, split13, s.wgmma, True), x_order(s.block_rows, split2, s.wgmma)
+
+
 def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
     """Split halves (targets.split_halves) for the gate/up and the down GEMM of a group, one token group a block."""
     tg = block_rows // 8
@@ -652,8 +658,7 @@ class MoEPlan:
         x_halves = x2_halves = 0
         for s in shapes:
             for g in dmoe.groups:
-                split13, split2 = group_splits(self.arch, g, s.block_rows)
-                order13, order2 = x_order(s.block_rows, split13, s.wgmma, True), x_order(s.block_rows, split2, s.wgmma)
+                order13, order2 = group_x_orders(self.arch, g, s)
                 x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, order13))
                 x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, order2))
         self.xr = new(x_halves, torch.float16)
@@ -800,7 +805,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     for g in d.groups:
         i_p = g.intermediate_padded
         split13, split2 = group_splits(arch, g, s.block_rows)
-        order13, order2 = x_order(s.block_rows, split13, wgmma, True), x_order(s.block_rows, split2, wgmma)
+        order13, order2 = group_x_orders(arch, g, s)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
         early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
         early13 = early_gate_up(tokens, resident, wgmma)

@@ -754,8 +754,7 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
             patch.setattr(moe_ops, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", constant)
             plan = plan_moe(dmoe, m)
             shape = plan.step(m, False).shape
-            split2 = moe_ops.group_splits(plan.arch, dmoe.groups[0], shape.block_rows)[1]
-            order = moe_ops.x_order(shape.block_rows, split2, shape.wgmma)
+            order = moe_ops.group_x_orders(plan.arch, dmoe.groups[0], shape)[1]
             wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
                                         shape.block_rows if constant else 0)
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
@@ -835,9 +834,8 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
                 shape = step.shape
                 wgmma = shape.wgmma
                 for g in dmoe.groups:
-                    split13 = moe_ops.group_splits(plan.arch, g, shape.block_rows)[0]
                     cfg = RouteInputRotationConfig("float16", k, min(slot_groups, k),
-                                                   moe_ops.x_order(shape.block_rows, split13, wgmma), lane_values,
+                                                   moe_ops.group_x_orders(plan.arch, g, shape)[0], lane_values,
                                                    early_next=moe_ops.early_gate_up(m, False, wgmma))
                     assert moe_ops.K.compiled(cfg, plan.arch) in [
                         fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
