@@ -13,8 +13,9 @@ from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops.moe import GroupShape, LayerShape, step_configs
 from exl3tool.ops.runtime import compile_with_ptx
+from exl3tool.ops.targets import typical_sms
 
-ARCHS = {"sm_120a": 170, "sm_90a": 132, "sm_80": 108}  # arch: SMs of a GPU of it (RTX 5090, H200, A100)
+ARCHS = ("sm_120a", "sm_90a", "sm_80")  # planned for each arch's typical GPU (RTX 5090, H200, A100)
 TOKENS = [*range(1, 300), *range(300, 4097, 37), 4096]
 
 
@@ -41,10 +42,7 @@ LAYERS = {
 
 def configs_of(step) -> list:
     """A step's configs in launch order."""
-    out = [step.route]
-    for g in step.groups:
-        out += [c for c in (g.rotation, g.gate_up, g.intermediate, g.down) if c is not None]
-    return out + ([step.topk] if step.topk is not None else [])
+    return [config for _, config in step.kernels()]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,7 +53,7 @@ def test_every_step_plans_on_every_arch(name, arch):
     tokens on, the small layers from 256-683."""
     d = LAYERS[name]
     for tokens, given, dtype in itertools.product(TOKENS, (False, True), ("float16", "bfloat16")):
-        step = step_configs(d, tokens, given, arch, ARCHS[arch], dtype, dtype)
+        step = step_configs(d, tokens, given, arch, typical_sms(arch), dtype, dtype)
         s = step.shape
         private = all(g.gate_up.warp_cols == 1 for g in step.groups)
         assert not s.ready_counters or private, (tokens, given, dtype)

@@ -133,12 +133,8 @@ def moe_sass_report(arch: str, specs, bits=(4.0,), codebook: str = "mcg", tokens
             layer = moe_layer(spec, k, codebook)
             name = f"moe {spec.experts}e top-{spec.top_k} {spec.hidden}x{spec.intermediate} K{k:g} {codebook}"
             for m in tokens:
-                step = step_configs(layer, m, False, arch, sm_count, "float16", "float16")
-                (g,) = step.groups
-                for role, config in (("route", step.route), ("input rotation", g.rotation), ("gate/up", g.gate_up),
-                                     ("intermediate", g.intermediate), ("down", g.down), ("top-k sum", step.topk)):
-                    if config is not None:
-                        found.setdefault((name, role, config), []).append(m)
+                for role, config in step_configs(layer, m, False, arch, sm_count, "float16", "float16").kernels():
+                    found.setdefault((name, role, config), []).append(m)
     jobs = []
     for (name, role, config), ms in found.items():
         gemm = isinstance(config, MoEGemmConfig)

@@ -84,12 +84,14 @@ def bench(
         elif sass:
             _only("--sass", (("MODEL", model), ("--layer", layer), ("--shape", shape), ("--peer", peer),
                              ("--plot", plot), ("--json-out", json_out)), mode)
-            from exl3tool.ops.targets import LIMITS
+            from exl3tool.ops.targets import LIMITS, limits
 
             if not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
                 raise UsageError(f"--arch must look like sm_120a or sm_90a, not {arch!r}")
-            if arch.rstrip("af") not in LIMITS:
-                raise UsageError(f"--arch {arch}: no SM limits known for it; known: {', '.join(LIMITS)}")
+            try:
+                limits(arch)
+            except ValueError:
+                raise UsageError(f"--arch {arch}: no SM limits known for it; known: {', '.join(LIMITS)}") from None
             for k in bits_list:
                 R.check_bits(k, codebook)
             specs = [R.parse_moe(m) for m in moe or ()]

@@ -776,6 +776,14 @@ class StepConfigs:
     groups: tuple[GroupConfigs, ...]
     topk: TopKSumConfig | None
 
+    def kernels(self) -> list[tuple[str, object]]:
+        """(role, config) of each launch, in launch order."""
+        out = [("route", self.route)]
+        for g in self.groups:
+            out += [(role, c) for role, c in (("input rotation", g.rotation), ("gate/up", g.gate_up),
+                                              ("intermediate", g.intermediate), ("down", g.down)) if c is not None]
+        return out + ([("top-k sum", self.topk)] if self.topk is not None else [])
+
 
 def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_groups: int, x_dtype: str,
                           k: int) -> RouteInputRotationConfig:
