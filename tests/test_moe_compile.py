@@ -585,7 +585,7 @@ def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, sp
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("rows", sorted(moe_ops.GROUP_LOOPS))
 def test_route_blocks_compile_a_main_loop_for_each_group_count(arch, rows):
-    """moe.GROUP_LOOPS (the M = 65-447 plan: gate/up with its fused intermediate, ready signal and weights before its
+    """moe.GROUP_LOOPS (the M = 65-479 plan: gate/up with its fused intermediate, ready signal and weights before its
     wait, down waiting for its block): one main loop for each count of token groups in the list, each with that
     count's MMAs, so the kernel holds sum(counts) / groups times the MMAs of one that multiplies every group, within
     SM120's shared memory. On sm_90a no spills and no fewer CTAs an SM than that kernel by registers."""

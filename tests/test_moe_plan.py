@@ -101,14 +101,14 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
     is expected to use, is at most 1.25 waves of 8 CTAs per SM (H200: M=1-3 and 5-8 faster, M=4 at 2 K splits and
     M=9 on slower), so at decode for this layer, and at M=16 too on a GPU with many more SMs; and from
     moe.READY_COUNTERS_MIN_TOKENS (4) wherever the route blocks use mma.sync, whose down GEMM then waits for
-    block-ready counters: on sm_90a up to 32-row blocks and the 64-row ones below moe.SYNC_BELOW_MEAN (M=447),
+    block-ready counters: on sm_90a up to 32-row blocks and the 64-row ones below moe.SYNC_BELOW_MEAN (M=479),
     never the warpgroup-MMA ones."""
     d = moe()
     fused = [m for m in range(1, 600) if step_shape(d, m, 132, "sm_90a").fused_intermediate]
     ready = [m for m in range(1, 600) if step_shape(d, m, 132, "sm_90a").ready_counters]
     assert fused[:3] == [1, 2, 3] and ready == fused[3:] and ready[0] == 4
-    assert ready == list(range(4, 448)) and not any(step_shape(d, m, 132, "sm_90a").wgmma for m in ready)
-    assert step_shape(d, 448, 132, "sm_90a").wgmma
+    assert ready == list(range(4, 480)) and not any(step_shape(d, m, 132, "sm_90a").wgmma for m in ready)
+    assert step_shape(d, 480, 132, "sm_90a").wgmma
     assert not step_shape(d, 4096, 132, "sm_90a").fused_intermediate
     monkeypatch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)
     # (M=4 and 14-16: 8-warp CTAs, moe.eight_warp_small_blocks, halve the gate/up grid)
@@ -206,14 +206,14 @@ def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
     64-row blocks below SYNC_BELOW_MEAN routes an expert; SM120 and the arch-free plan keep mma.sync."""
     from exl3tool.ops.moe import MOE_WGMMA_MIN_ROWS, SYNC_BELOW_MEAN, gemm_config, uses_wgmma, x_order
 
-    assert MOE_WGMMA_MIN_ROWS == 64 and SYNC_BELOW_MEAN == {64: 28}
+    assert MOE_WGMMA_MIN_ROWS == 64 and SYNC_BELOW_MEAN == {64: 30}
     assert [uses_wgmma(rows, "sm_90a", 64) for rows in (8, 32, 64, 128)] == [False, False, True, True]
-    assert [uses_wgmma(64, "sm_90a", mean) for mean in (17, 27.9, 28, 32)] == [False, False, True, True]
+    assert [uses_wgmma(64, "sm_90a", mean) for mean in (17, 29.9, 30, 32)] == [False, False, True, True]
     assert not uses_wgmma(128, "sm_120a", 256) and not uses_wgmma(128, None, 256)
-    # E=128 top-8 on the H200: M=257-447 (64-row blocks, means 16-28) mma.sync with the fused intermediate
-    plans = {m: step_shape(moe(), m, 132, "sm_90a") for m in (256, 257, 447, 448, 512, 1024, 2048)}
+    # E=128 top-8 on the H200: M=257-479 (64-row blocks, means 16-30) mma.sync with the fused intermediate
+    plans = {m: step_shape(moe(), m, 132, "sm_90a") for m in (256, 257, 479, 480, 512, 1024, 2048)}
     assert {m: (s.block_rows, s.wgmma, s.ready_counters) for m, s in plans.items()} == {
-        256: (32, False, True), 257: (64, False, True), 447: (64, False, True), 448: (64, True, False),
+        256: (32, False, True), 257: (64, False, True), 479: (64, False, True), 480: (64, True, False),
         512: (64, True, False), 1024: (64, True, False), 2048: (128, True, False)}
     assert x_order(64, False, True) == "rows" and x_order(64, False, False) == "fragments"
     assert [x_order(rows, False, True) for rows in (128, 256, 320)] == ["rows", "stages", "stages"]
@@ -267,7 +267,7 @@ def test_topk_sum_blocks_per_cta_leave_eight_ctas_per_sm(monkeypatch):
 
 
 def test_mma_sync_route_blocks_of_several_groups_skip_their_empty_ones():
-    """moe.GROUP_LOOPS: the 16-, 32- and 64-row mma.sync route blocks (M = 65-447 at E=128 top-8) compile a main loop for
+    """moe.GROUP_LOOPS: the 16-, 32- and 64-row mma.sync route blocks (M = 65-479 at E=128 top-8) compile a main loop for
     each listed count of token groups and read row_route to pick one; 8-row blocks (one group) and warpgroup-MMA
     blocks do not. MoEGemmConfig refuses counts that are not ascending up to the block's groups, and the skip where
     it has no meaning."""
@@ -275,7 +275,7 @@ def test_mma_sync_route_blocks_of_several_groups_skip_their_empty_ones():
 
     from exl3tool.ops.moe import gemm_config
 
-    assert moe_ops.GROUP_LOOPS == {16: (1, 2), 32: (2, 4), 64: (4, 8)}
+    assert moe_ops.GROUP_LOOPS == {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}
     for rows in (8, 16, 32, 64):
         for planes in (2, 1):
             cfg = gemm_config(4.0, "mcg", planes, rows, tokens=256)

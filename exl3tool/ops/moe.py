@@ -143,7 +143,9 @@ MOE_WGMMA_MIN_ROWS = 64
 # rounds, us (warpgroup MMAs -> mma.sync with group loops (4, 8)): M=320 (mean 20) 295.00 -> 271.13, M=384 (24)
 # 298.32 -> 278.41 and 298.60 -> 278.61; M=448 (28) 301.37 -> 301.40, M=480 (30) 302.99 -> 305.20, M=512 (32) 305.74
 # -> 326.31; mma.sync without the group loops M=384 363.34, M=448 368.76 (docs/perf.md, forty-seventh session).
-SYNC_BELOW_MEAN = {64: 28}
+# Group loops (4, 6, 8), another call (warpgroup -> mma.sync): M=448 301.96 -> 292.90, M=512 306.06 -> 308.33, M=576
+# 309.42 -> 326.16 (docs/perf.md, forty-eighth session).
+SYNC_BELOW_MEAN = {64: 30}
 # Warpgroup-MMA route blocks of these sizes take these fields over targets.WGMMA_LAYOUT: 64-row blocks the dense
 # GEMM's rolled 8-k-tile stages (targets.DENSE_WGMMA_SMALL_LAYOUT; sm_90a 7.91 -> 6.44 SASS a weight, 100 -> 126
 # registers, two CTAs an SM either way). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, two processes each, y
@@ -172,7 +174,10 @@ SKIP_PADDING_TAIL = True
 # call: (2, 4) / (1, 2, 3, 4) / (2, 3, 4) M=160 207.50 / 208.60 / 209.72, M=192 211.92 / 211.89 / 213.03, M=256
 # 227.30 / 225.89 / 226.24, within the spreads (up to 2.0); (2, 4) keeps down at 60 registers (sm_90a; 68 with every
 # count, three CTAs an SM instead of four) and gate/up at 68 (80 before) (docs/perf.md, forty-third session).
-GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (4, 8)}  # 64: see SYNC_BELOW_MEAN
+# 64-row blocks, three rounds, (4, 8) / (4, 6, 8) / (2, 4, 6, 8): M=320 273.89 / 273.52 / 270.10, M=384 279.66 / 280.01
+# / 278.65, M=440 299.48 / 292.72 / 293.43 (each keeps two 8-warp CTAs an SM on sm_90a, 110-118 registers, no spills;
+# docs/perf.md, forty-eighth session).
+GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}  # 64: see SYNC_BELOW_MEAN
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
 # rows, when its grid is short: at most FUSED_INTERMEDIATE_WAVES waves of CTAS_PER_SM a SM, counting the blocks of
 # the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last one's
