@@ -318,9 +318,11 @@ def decode_mma_loop(
 
     word_idx, shift = lane_word_indices(plan, lane)
     consts = codebook_constants(cfg.codebook, ptx)
-    loop_args = (cfg, plan, acc, sW, sX, sDec, copies, n_chunks, ahead_stages, word_idx, shift, consts, warp, lane)
+    # chunk_loop's arguments before and after its copies (a group loop passes fewer copies)
+    before = (cfg, plan, acc, sW, sX, sDec)
+    after = (n_chunks, ahead_stages, word_idx, shift, consts, warp, lane)
     if cutlass.const_expr(group_loops is None):
-        chunk_loop(*loop_args, mma_groups)
+        chunk_loop(*before, copies, *after, mma_groups)
     else:
         count_live, counts = group_loops
         live = count_live()  # after the wait: what the kernel before wrote is visible
@@ -329,7 +331,7 @@ def decode_mma_loop(
                 # the loop's stages copy X only of the groups it multiplies (the stages ahead, issued before the
                 # count is known, copy every row)
                 group_copies = copies[: len(copies) - x_copies_past(cfg, threads, counts[i])]
-                chunk_loop(*loop_args[:6], group_copies, *loop_args[7:], counts[i])
+                chunk_loop(*before, group_copies, *after, counts[i])
 
 
 @cute.jit
