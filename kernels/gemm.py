@@ -85,6 +85,9 @@ class GemmConfig:
     # (no input-rotation launch). ``resident_k_tiles`` sizes that buffer: the plan's k-tiles per split.
     input: str | None = None
     resident_k_tiles: int = 0
+    # Rows of x resident with ``input``: 1 (one token; every MMA column reads it), or up to 8 (the MoE GEMM's small
+    # route blocks: lane quad g reads row g, the last one past them), each padded (``resident_pad_words``).
+    resident_rows: int = 1
     # "sync": warp-level mma.sync (every arch). "wgmma" (sm_90a only): each warpgroup's four decoded tiles (64 output
     # columns, in registers) multiply all the CTA's tokens (up to 256) with one asynchronous warpgroup MMA per
     # k-tile, B read from shared memory where cp.async put it (128-byte swizzled token rows, ``ptx``); the warps
@@ -143,6 +146,8 @@ class GemmConfig:
                                        or self.resident_k_tiles <= 0):
             raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
                              "positive multiple of 8")
+        if not 1 <= self.resident_rows <= 8 or (self.resident_rows > 1 and self.input is None):
+            raise ValueError("resident_rows: 1 to 8 rows of x, with input")
         if (self.mbarriers or self.rolled) and self.mma != "wgmma":
             raise ValueError("mbarriers and rolled are pipelines of the warpgroup-MMA main loop")
         if self.whole_k and (self.mma != "wgmma" or self.output is None):
@@ -187,27 +192,44 @@ class GemmConfig:
 
     @property
     def x_row_words(self) -> int:
-        # Rows padded so that the token rows a warp reads at once fall in distinct banks: +4 words for the 32-bit
-        # loads of row order (8 rows), +16 for the 16-byte loads of fragment and doubled order (2 rows per 8-lane
-        # phase).
         if self.mma == "wgmma":
             return self.x_k_tile_words * self.k_tiles_per_stage  # swizzled, not padded
-        return self.x_k_tile_words * self.k_tiles_per_stage + (4 if self.x_order == "rows" else 16)
+        return self.x_k_tile_words * self.k_tiles_per_stage + self.x_row_pad_words
+
+    @property
+    def x_row_pad_words(self) -> int:
+        """Rows padded so that the token rows a warp reads at once fall in distinct banks: +4 words for the 32-bit
+        loads of row order (8 rows), +16 for the 16-byte loads of fragment and doubled order (2 rows per 8-lane
+        phase)."""
+        return 4 if self.x_order == "rows" else 16
 
     @property
     def x_stage_words(self) -> int:
         return 0 if self.input else self.tokens_per_cta * self.x_row_words
 
     @property
+    def resident_pad_words(self) -> int:
+        """Padding of a resident row of x (``input``): as ``x_row_pad_words`` where rows are several (one row has no
+        neighbour to share banks with)."""
+        return self.x_row_pad_words if self.resident_rows > 1 else 0
+
+    @property
+    def resident_row_words(self) -> int:
+        """One resident row of x (``input``): the K split's k-tiles, padded."""
+        return self.x_k_tile_words * self.resident_k_tiles + self.resident_pad_words
+
+    @property
     def x_smem_words(self) -> int:
-        """X in shared memory: the stage ring, or with ``input`` the one resident row of the K split."""
-        return self.x_k_tile_words * self.resident_k_tiles if self.input else self.stages * self.x_stage_words
+        """X in shared memory: the stage ring, or with ``input`` the resident rows of the K split."""
+        return self.resident_rows * self.resident_row_words if self.input else self.stages * self.x_stage_words
 
     @property
     def max_resident_k_tiles(self) -> int:
-        """The most k-tiles (a multiple of 8) a resident row of x (``input``) can hold beside the weight stages."""
-        free = SMEM_LIMIT_BYTES - 4 * self.stages * self.w_stage_words - 16
-        return free // (4 * self.x_k_tile_words) // 8 * 8
+        """The most k-tiles (a multiple of 8) the resident rows of x (``input``) can hold beside the weight
+        stages."""
+        free = (SMEM_LIMIT_BYTES - 4 * self.stages * self.w_stage_words - 16
+                - 4 * self.resident_rows * self.resident_pad_words)
+        return free // (4 * self.x_k_tile_words * self.resident_rows) // 8 * 8
 
     @property
     def decoded_words(self) -> int:

@@ -23,7 +23,8 @@ cp.async pieces. With ``cfg.mbarriers`` the stages are handed over through mbarr
 stage (``mbarrier_wgmma_loop``).
 
 With ``cfg.input`` (M = 1) X is not staged: the caller's ``prologue(sX)`` writes the CTA's whole K range of the
-one token into shared memory (the dense GEMM rotates x there) while the first weight stages load.
+one token into shared memory (the dense GEMM rotates x there) while the first weight stages load; or, with
+``cfg.resident_rows`` > 1, of each of that many rows (the MoE GEMM's route blocks at a few tokens).
 
 The dense GEMM passes its whole matrix; the MoE GEMM passes the base address of one expert's plane and the
 packed rows of one expert's token block. ``cfg`` is a ``gemm.GemmConfig`` (its stage sizes are the only smem
@@ -477,7 +478,9 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
         else:
             a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
         for mt in range(cfg.token_groups if mma_groups is None else mma_groups):
-            row = 0 if cfg.input is not None else (mt * 8 + g) * cfg.x_row_words  # resident: the one token
+            row = (mt * 8 + g) * cfg.x_row_words
+            if cutlass.const_expr(cfg.input is not None):  # resident rows: lane quad g's, the last past them
+                row = 0 if cfg.resident_rows == 1 else cutlass.min(g, cfg.resident_rows - 1) * cfg.resident_row_words
             b = load_b(cfg, sX, sX_addr, x_stage + row, kk, q, b_words, mt)
             if cutlass.const_expr(cfg.split_halves):
                 operands = split_halves_fragments(halves, b if cfg.x_order == "doubled" else doubled_b(b, ptx), ptx)

@@ -24,7 +24,10 @@ which share the counter), and the last one sums the token's slot terms for those
 With ``input`` (gate/up at M = 1, router-chosen distinct experts: each block's one route sits in its first row) X
 is x itself: each CTA rotates the token's x with its expert's gate or up suh into shared memory while its first
 weight stages load (``rotate_expert_input``, the dense GEMM's M = 1 prologue), so no RouteInputRotation runs; the
-first CTA of each block writes that route's ``route_row`` / ``row_route`` in its place.
+first CTA of each block writes that route's ``route_row`` / ``row_route`` in its place. With ``resident_rows`` > 1
+(a few tokens: an expert's routes, one a token, all in its one block, each in the row of its rank) each CTA first
+finds its block's routes from the route ranks (``find_block_routes``) and rotates each one's token into a row of
+its own.
 
 With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k-tile) a block whose row 256 is
 padding (``row_route`` -1; a block's routes are its first rows) runs a second copy of the main loop without the
@@ -82,11 +85,14 @@ class MoEGemmConfig:
     # CTA to arrive at each (route block, 128-column block), instead of an ``Intermediate`` launch; the value is
     # the launch's K split count (a compile-time constant, like ``IntermediateConfig.splits``).
     intermediate_splits: int = 0
-    # Gate/up at M = 1 only (x's dtype, "float16" or "bfloat16"): the GEMM rotates the token's x with its
-    # expert's gate or up suh into shared memory itself (mainloop ``input``; no RouteInputRotation launch), every
-    # route block holding one route in its first row; ``resident_k_tiles`` = the K split's k-tiles.
+    # Gate/up at a few tokens only (x's dtype, "float16" or "bfloat16"): the GEMM rotates the x of its route
+    # block's tokens with its expert's gate or up suh into shared memory itself (mainloop ``input``; no
+    # RouteInputRotation launch), the router's routes each in its own row (distinct experts a token: an expert's
+    # routes fit one block); ``resident_k_tiles`` = the K split's k-tiles, ``resident_rows`` = the tokens (M = 1:
+    # a block's one route in its first row).
     input: str | None = None
     resident_k_tiles: int = 0
+    resident_rows: int = 1
     split_halves: bool = False  # one token group, mcg/3inst: each weight's two fp16 halves to two MMAs (mainloop)
     # Down at M = 1 only (router-chosen routes: each route alone in its block, in its first row): the GEMM also does
     # the ``TopKSum`` launch's work for the token in the last CTA to arrive at each 128-column block (all routes,
@@ -170,7 +176,8 @@ class MoEGemmConfig:
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
-                          input=self.input, resident_k_tiles=self.resident_k_tiles, split_halves=self.split_halves,
+                          input=self.input, resident_k_tiles=self.resident_k_tiles, resident_rows=self.resident_rows,
+                          split_halves=self.split_halves,
                           x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma,
                           mbarriers=self.mbarriers, rolled=self.rolled)
 
@@ -203,7 +210,8 @@ class MoEGemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.mainloop.smem_bytes + 4 * self.extra_term_words
+        routes = 4 * self.tokens_per_cta if self.resident_rows > 1 else 0  # sRoute: each row's route
+        return self.mainloop.smem_bytes + 4 * self.extra_term_words + routes
 
 
 class MoEGemm(DecodeGemmKernel):
@@ -225,6 +233,7 @@ class MoEGemm(DecodeGemmKernel):
         mUpSuh,
         mIds,
         mRouteRow,
+        mRank,
         mSvh,
         mSvhRow,
         mWeights,
@@ -233,10 +242,11 @@ class MoEGemm(DecodeGemmKernel):
         stream: cuda.CUstream,
     ):
         """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
-        rotates its own input (then mX is x itself ``[1, hidden]``); mSvh .. mY: None without the fused top-k sum
-        (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None. mCounter: the
-        fused intermediate's arrival counters (one per route block and 128 columns) and the blocks' ready counters
-        after them, else None; mSumCounter: the fused top-k sum's (one per 128 columns), else None."""
+        rotates its own input (then mX is x itself ``[M, hidden]``); mSvh .. mY: None without the fused top-k sum
+        (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None; mRank: the
+        route ranks with resident rows, else None. mCounter: the fused intermediate's arrival counters (one per
+        route block and 128 columns) and the blocks' ready counters after them, else None; mSumCounter: the fused
+        top-k sum's (one per 128 columns), else None."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
         if cutlass.const_expr(mCounter is None):
@@ -247,13 +257,16 @@ class MoEGemm(DecodeGemmKernel):
             mGateSuh, mUpSuh = mP, mP  # never touched: no prologue
         if cutlass.const_expr(mIds is None):
             mIds, mRouteRow = mBlockExpert, mBlockExpert  # never touched
+        if cutlass.const_expr(mRank is None):
+            mRank = mBlockExpert  # never touched: no resident rows
         if cutlass.const_expr(mSvh is None):
             mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
         if cutlass.const_expr(mSumCounter is None):
             mSumCounter = mP  # never touched: no fused top-k sum
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
-                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mSvh, mSvhRow, mWeights, mY, mSumCounter).launch(
+                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
+                    mSumCounter).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
             **self.occupancy_bounds())
 
@@ -268,8 +281,9 @@ class MoEGemm(DecodeGemmKernel):
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,
                mGroupRow: cute.Tensor, k_tiles_per_split: Int32, mRot: cute.Tensor, mX2: cute.Tensor,
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
-               mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mSvh: cute.Tensor,
-               mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor, mSumCounter: cute.Tensor):
+               mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mRank: cute.Tensor,
+               mSvh: cute.Tensor, mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor,
+               mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         # With ready_signal the down GEMM waits for its blocks' ready counters, not for this grid, so it may launch
         # before this kernel's own PDL wait; it reads the route's block table first, though. Behind the input
@@ -288,6 +302,9 @@ class MoEGemm(DecodeGemmKernel):
 
         smem, sW, sX, sDec = allocate_smem(main)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+        sRoute = sLast  # resident rows: the route in each row of the block (-1: padding)
+        if cutlass.const_expr(cfg.resident_rows > 1):
+            sRoute = smem.allocate_tensor(Int32, cute.make_layout(cfg.tokens_per_cta), 16)
         sTerm = sLast  # the fused top-k sum's slot terms: the weight stages, or their own where those are smaller
         if cutlass.const_expr(cfg.extra_term_words > 0):
             sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)
@@ -312,12 +329,26 @@ class MoEGemm(DecodeGemmKernel):
 
             acc = cute.make_rmem_tensor(cute.make_layout(4 * cfg.token_groups), Float32)
             acc.fill(0.0)
-            if cutlass.const_expr(cfg.input is not None):
+            n_blocks = n_chunks * cfg.k_tiles_per_stage // 8  # the prologue's 128-blocks of x
+            rounds = -(-cfg.resident_k_tiles // (8 * cfg.warps))
+            if cutlass.const_expr(cfg.input is not None and cfg.resident_rows > 1):
+                def prologue(sX):  # noqa: E306 (the block's tokens' x, rotated with this expert's suh, while W loads)
+                    find_block_routes(mIds, mRank, mRouteRow, mRowRoute, sRoute, expert, tok0,
+                                      bn == 0 and split == 0, tid, self.threads)
+                    for i in cutlass.range_constexpr(cfg.resident_rows):
+                        route = sRoute[i]
+                        if route >= 0:  # rows past the block's routes: padding columns, never stored or read
+                            rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
+                                                cfg.resident_order, warp, cfg.warps, lane, route // mIds.shape[1],
+                                                i * main.resident_row_words)
+                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
+                                col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
+                store_partials(mP, acc, acc_groups(main, warp), split, plane * n_col_tiles * 16, col_tile0, tok0,
+                               lane)
+            elif cutlass.const_expr(cfg.input is not None):
                 def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
-                    rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin,
-                                        n_chunks * cfg.k_tiles_per_stage // 8,
-                                        -(-cfg.resident_k_tiles // (8 * cfg.warps)), cfg.resident_order, warp,
-                                        cfg.warps, lane)
+                    rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
+                                        cfg.resident_order, warp, cfg.warps, lane)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:
@@ -380,14 +411,18 @@ class MoEGemm(DecodeGemmKernel):
                 counter = mCounter.iterator.toint() + (Int64(blk) * (n_col_tiles // 8) + block) * 4
                 ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
                 if sLast[0] != 0:
-                    if cutlass.const_expr(cfg.input is not None):
+                    if cutlass.const_expr(cfg.input is not None and cfg.resident_rows == 1):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
                                              cfg.intermediate_splits, cfg.x2_order)
                     else:
                         for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                             row = tok0 + r * cfg.warps + warp
-                            if mRowRoute[row] >= 0:  # padding rows stay unwritten, as in Intermediate
+                            if cutlass.const_expr(cfg.input is None):
+                                route = mRowRoute[row]
+                            else:  # this CTA's own record: the first CTA's row_route may not be written yet
+                                route = sRoute[r * cfg.warps + warp]
+                            if route >= 0:  # padding rows stay unwritten, as in Intermediate
                                 intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
                                                  cfg.intermediate_splits, cfg.x2_order)
                     if tid == 0:
@@ -409,6 +444,28 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
+
+
+@cute.jit
+def find_block_routes(mIds: cute.Tensor, mRank: cute.Tensor, mRouteRow: cute.Tensor, mRowRoute: cute.Tensor,
+                      sRoute: cute.Tensor, expert: Int32, tok0: Int32, first, tid: Int32, threads: cutlass.Constexpr):
+    """``sRoute[i]``: the route in row ``tok0 + i`` of the route block of ``expert``, -1 where none. The router's
+    routes (distinct experts a token) of a few tokens: an expert's routes all fit its one block, each in the row of
+    its rank (``moe_route``). The ``first`` CTA of the block also writes ``route_row`` / ``row_route`` for them,
+    as the input rotation does. Ends with a CTA barrier."""
+    if tid < cute.size(sRoute):
+        sRoute[tid] = Int32(-1)
+    cute.arch.sync_threads()
+    k = mIds.shape[1]
+    for r in cutlass.range(tid, mIds.shape[0] * k, threads):
+        t = r // k
+        if mIds[t, r - t * k] == expert:
+            i = mRank[r]
+            sRoute[i] = r
+            if first:
+                mRouteRow[r] = tok0 + i
+                mRowRoute[tok0 + i] = r
+    cute.arch.sync_threads()
 
 
 def live_groups(mRowRoute, tok0, token_groups: int):
@@ -441,10 +498,14 @@ def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):
 @cute.jit
 def rotate_expert_input(mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, sX: cute.Tensor, plane: Int32,
                         p: Int32, k_begin: Int32, n_blocks: Int32, rounds: cutlass.Constexpr,
-                        x_order: cutlass.Constexpr, warp: Int32, warps: cutlass.Constexpr, lane: Int32):
-    """The M = 1 prologue: ``H128(x[0] * suh[p])`` of the K split into ``sX`` (in ``x_order``), with the gate
-    (plane 0) or up suh of group row ``p``: what ``RouteInputRotation`` writes for that route, bit for bit."""
+                        x_order: cutlass.Constexpr, warp: Int32, warps: cutlass.Constexpr, lane: Int32,
+                        x_row: Int32 = 0, s_word0: Int32 = 0):
+    """The resident prologue: ``H128(x[x_row] * suh[p])`` of the K split into ``sX`` from word ``s_word0`` (in
+    ``x_order``), with the gate (plane 0) or up suh of group row ``p``: what ``RouteInputRotation`` writes for
+    that route, bit for bit."""
     if plane == 0:
-        rotate_into_shared(mX, mGateSuh, sX, k_begin, n_blocks, rounds, x_order, warp, warps, lane, p, True)
+        rotate_into_shared(mX, mGateSuh, sX, k_begin, n_blocks, rounds, x_order, warp, warps, lane, p, True, x_row,
+                           s_word0)
     else:
-        rotate_into_shared(mX, mUpSuh, sX, k_begin, n_blocks, rounds, x_order, warp, warps, lane, p, True)
+        rotate_into_shared(mX, mUpSuh, sX, k_begin, n_blocks, rounds, x_order, warp, warps, lane, p, True, x_row,
+                           s_word0)

@@ -206,14 +206,14 @@ def scaled_values(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, n
 def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_begin: Int32, n_blocks: Int32,
                        rounds: cutlass.Constexpr, x_order: cutlass.Constexpr, warp: Int32,
                        warps: cutlass.Constexpr, lane: Int32, suh_row: Int32 = 0,
-                       suh_matrix: cutlass.Constexpr = False):
-    """A decode GEMM's prologue at M = 1: ``sX`` (fp16 pairs) = the rotated row 0 of x over the 128-blocks
-    ``k_begin*16 + 128*b``, b < ``n_blocks`` (at most ``rounds * warps``), in the main loop's column order
-    (``trellis.X_ORDERS``, of the element relative to the range), block b by warp ``b % warps``. Every
-    round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
+                       suh_matrix: cutlass.Constexpr = False, x_row: Int32 = 0, s_word0: Int32 = 0):
+    """A decode GEMM's prologue at M = 1: ``sX`` (fp16 pairs, from word ``s_word0``) = the rotated row ``x_row``
+    of x over the 128-blocks ``k_begin*16 + 128*b``, b < ``n_blocks`` (at most ``rounds * warps``), in the main
+    loop's column order (``trellis.X_ORDERS``, of the element relative to the range), block b by warp ``b % warps``.
+    Every round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
     ``InputRotation`` (with ``suh_matrix``, row ``suh_row`` of suh: to ``moe_rotate.RouteInputRotation``)."""
     last = cutlass.max(n_blocks - 1, 0)
-    scaled = [scaled_values(mX, mSuh, Int32(0), k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
+    scaled = [scaled_values(mX, mSuh, x_row, k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
                             4, suh_row if suh_matrix else None) for r in range(rounds)]
     for r in cutlass.range_constexpr(rounds):
         v = hadamard128(scaled[r], lane)
@@ -222,10 +222,11 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
             e0 = b * 128 + 4 * lane
             if cutlass.const_expr(x_order == "doubled"):
                 for i in cutlass.range_constexpr(4):
-                    sX[x_doubled_word(e0 + i)] = ptx.pack_f32x2(v[i], v[i], "float16")
+                    sX[s_word0 + x_doubled_word(e0 + i)] = ptx.pack_f32x2(v[i], v[i], "float16")
             else:
                 for h in cutlass.range_constexpr(2):
-                    sX[x_pair_word(e0 + 2 * h, x_order)] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1], "float16")
+                    sX[s_word0 + x_pair_word(e0 + 2 * h, x_order)] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1],
+                                                                                    "float16")
 
 
 @cute.jit

@@ -78,6 +78,35 @@ def test_gate_up_gemm_rotating_its_own_input(x_dtype, splits):
         dataclasses.replace(gemm_config(4.0, "mcg", 1, 8), input=x_dtype, resident_k_tiles=32)
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_gate_up_gemm_rotating_its_route_blocks_rows(arch, rows):
+    """A few tokens (MoEGemmConfig.resident_rows): the gate/up GEMM finds its block's routes (by their experts and
+    ranks) and rotates each one's x into its own padded row of shared memory, with the same main loop as one
+    resident row: the same MMAs and copies (weights only), the rows' shared memory on top, no spills, a rotation
+    per row, and the fused intermediate for every packed row with a route."""
+    one = gemm_config(4.0, "mcg", 2, 8, False, rows, split_halves=True, x2_order="doubled",
+                      intermediate_splits=3, ready_signal=rows == 4)  # M = 4: 8 warps and ready counters
+    one = dataclasses.replace(one, input="float16", resident_k_tiles=48)
+    cfg = dataclasses.replace(one, resident_rows=rows)
+    assert cfg.mainloop.x_smem_words == rows * (48 * 16 + 16)  # doubled rows, 16-word padding between them
+    assert cfg.smem_bytes - one.smem_bytes == 4 * (cfg.mainloop.x_smem_words - one.mainloop.x_smem_words) + 4 * 8
+    ptx, base = ptx_of(cfg, arch), ptx_of(one, arch)
+    assert ptx.count(MMA) == base.count(MMA) and "cp.async.cg.shared.global" in ptx
+    assert ptx.count("cp.async.cg.shared.global") == base.count("cp.async.cg.shared.global")
+    # the prologue's two rotations (gate or up suh) a row; the fused tail's, once a row a warp (one row: warp 0's)
+    prologue = 2 * 5 * 4
+    tail = base.count("shfl.sync.bfly") - prologue
+    assert ptx.count("shfl.sync.bfly") == rows * prologue + (8 // cfg.warps) * tail
+    from exl3tool.sass import gemm_report
+    kernel = gemm_report(cfg, arch)
+    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
+    with pytest.raises(ValueError):  # rows of x need input; 8 rows at most (one token group)
+        dataclasses.replace(one, input=None, resident_k_tiles=0, resident_rows=2)
+    with pytest.raises(ValueError):
+        dataclasses.replace(one, resident_rows=9)
+
+
 @pytest.mark.parametrize("planes,splits", [(2, 0), (2, 3), (1, 0)])
 def test_split_halves_gemms_read_doubled_inputs(planes, splits):
     """8-row blocks with split halves: two MMAs per tile, B words loaded doubled (no doubling in the loop); the

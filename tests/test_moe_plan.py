@@ -157,6 +157,29 @@ def test_sixteen_row_blocks_write_gate_up_x_alone_in_fragment_order(monkeypatch)
     assert orders(16) == ("rows",) * 4 and orders(32) == ("fragments",) * 4
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("shared", ["none", "gated"])
+def test_a_few_tokens_rotate_their_route_blocks_rows_in_the_gate_up_gemm(monkeypatch, arch, shared):
+    """moe.RESIDENT_INPUT_TOKENS: up to it the router's routes go without an input rotation launch, the gate/up GEMM
+    holding a row of x a token (resident_rows = M, the K split's k-tiles, within its shared memory); the caller's
+    routes (an expert twice a token) and more tokens keep the launch. 1 (one token) until more is measured."""
+    from exl3tool.ops.moe import step_configs
+
+    d = moe(shared=shared)
+    assert moe_ops.RESIDENT_INPUT_TOKENS == 1
+    monkeypatch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", 4)
+    for m in range(1, 7):
+        for given in (False, True):
+            (g,) = step_configs(d, m, given, arch, 132, "float16", "float16").groups
+            resident = m <= 4 and not given
+            assert (g.rotation is None) == resident and (g.gate_up.input is not None) == resident, (m, given)
+            if resident:
+                assert g.gate_up.resident_rows == m and g.gate_up.resident_k_tiles == g.per13
+                assert g.per13 <= g.gate_up.mainloop.max_resident_k_tiles
+            else:
+                assert g.gate_up.resident_rows == 1
+
+
 def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
     """8- and 16-row route blocks take 8-warp CTAs from moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS and at the token counts
     in EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4): there its CTAs take twice the columns and split-K fills the SMs again

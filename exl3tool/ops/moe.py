@@ -250,7 +250,10 @@ CONTIGUOUS_GROUP_ROWS = True
 # launch early and spin beside gate/up).
 READY_COUNTERS_MIN_TOKENS = 4
 # Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
-# while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1).
+# while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1). Up to 8 the
+# GEMM can also take each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a
+# token go to distinct experts, so an expert's routes fit one 8-row block): built in s49 without a GPU, y expected
+# bit-identical to the rotation launch's; not measured yet, so off (the candidate for M = 2-4: 4).
 RESIDENT_INPUT_TOKENS = 1
 # Up to this many tokens (one) the down GEMM's last CTA per 128 columns does the top-k sum instead of a TopKSum
 # launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count).
@@ -487,8 +490,8 @@ def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int 
 
 
 def resident_input(tokens: int, given: bool) -> bool:
-    """Does the gate/up GEMM rotate x itself? One token routed by the router: distinct experts, so every route
-    block holds one route, in its first row (the caller's topk_ids may repeat an expert)."""
+    """Does the gate/up GEMM rotate x itself? A few tokens routed by the router: distinct experts a token, so an
+    expert's routes fit its one route block, a row each (the caller's topk_ids may repeat an expert)."""
     return tokens <= RESIDENT_INPUT_TOKENS and not given
 
 
@@ -733,7 +736,8 @@ class MoEPlan:
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
                                             ((s.blocks * (i_p // 128 + s.ready_counters),), torch.int32))
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
-            prologue = (g.gate_suh, g.up_suh, ids, route_row) if resident else ()
+            ranks = rank if g13.resident_rows > 1 else None
+            prologue = (g.gate_suh, g.up_suh, ids, route_row, ranks) if resident else ()
             gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, gc.per13,
                        *tail, *prologue)
             if gc.rotation is not None:
@@ -748,7 +752,7 @@ class MoEPlan:
             down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, gc.per2,
                     None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
             if g2.topk_sum is not None:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters
-                down += (None, None, ids, route_row, d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
+                down += (None, None, ids, route_row, None, d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))
         if c.topk is not None:
             step.launches.append((K.launch_topk_sum, K.compiled(c.topk, arch), (p2, d.down_svh, d.svh_row, ids,
@@ -840,7 +844,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
         per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
         per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
         if resident:
-            g13 = replace(g13, input=x_dtype, resident_k_tiles=per13)
+            g13 = replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))

@@ -45,12 +45,13 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     rows = cute.sym_int()
     words = int(16 * cfg.bits) // 2
     x = fake_tensor(I32, cfg.planes, rows, None)
-    suh, routes, topk = [None] * 2, [None] * 2, [None] * 4
+    suh, routes, topk = [None] * 2, [None] * 3, [None] * 4
     if cfg.input is not None:  # x itself; gate and up suh
-        x = fake_tensor(DTYPES[cfg.input], 1, None, align=2)
+        x = fake_tensor(DTYPES[cfg.input], cfg.resident_rows, None, align=2)
         suh = [fake_tensor(F16, None, None), fake_tensor(F16, None, None)]
-    if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row
-        routes = [fake_tensor(I32, 1, None), fake_tensor(I32, None)]
+    if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row; with resident rows the ranks
+        routes = [fake_tensor(I32, cfg.resident_rows, None), fake_tensor(I32, None),
+                  fake_tensor(I32, None) if cfg.resident_rows > 1 else None]
     if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y
         topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, 1, None),
                 fake_tensor(DTYPES[cfg.topk_sum.out_dtype], 1, None)]
@@ -108,9 +109,9 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
                 x2=None, row_route=None, counters=None, inter_true: int = 0, gate_suh=None, up_suh=None, ids=None,
-                route_row=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None):
+                route_row=None, rank=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
-       inter_true, gate_suh, up_suh, ids, route_row, svh, svh_row, weights, y, sum_counters)
+       inter_true, gate_suh, up_suh, ids, route_row, rank, svh, svh_row, weights, y, sum_counters)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):
