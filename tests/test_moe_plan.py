@@ -162,7 +162,8 @@ def test_sixteen_row_blocks_write_gate_up_x_alone_in_fragment_order(monkeypatch)
 def test_a_few_tokens_rotate_their_route_blocks_rows_in_the_gate_up_gemm(monkeypatch, arch, shared):
     """moe.RESIDENT_INPUT_TOKENS: up to it the router's routes go without an input rotation launch, the gate/up GEMM
     holding a row of x a token (resident_rows = M, the K split's k-tiles, within its shared memory); the caller's
-    routes (an expert twice a token) and more tokens keep the launch. 1 (one token) until more is measured."""
+    routes (an expert twice a token), more tokens and rows that do not fit keep the launch. 1 (one token) until more
+    is measured."""
     from exl3tool.ops.moe import step_configs
 
     d = moe(shared=shared)
@@ -178,6 +179,12 @@ def test_a_few_tokens_rotate_their_route_blocks_rows_in_the_gate_up_gemm(monkeyp
                 assert g.per13 <= g.gate_up.mainloop.max_resident_k_tiles
             else:
                 assert g.gate_up.resident_rows == 1
+    # rows that do not fit beside the weight stages keep the launch: 8 tokens of a 16384-wide x, K not split
+    monkeypatch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", 8)
+    wide = moe(shared=shared, hidden_p=16384)
+    for m, resident in ((2, True), (8, False)):
+        (g,) = step_configs(wide, m, False, arch, 132, "float16", "float16").groups
+        assert (g.rotation is None) == resident and (g.gate_up.input is not None) == resident, m
 
 
 def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):

@@ -495,6 +495,17 @@ def resident_input(tokens: int, given: bool) -> bool:
     return tokens <= RESIDENT_INPUT_TOKENS and not given
 
 
+def resident_config(g13: MoEGemmConfig, x_dtype: str, per13: int, tokens: int) -> MoEGemmConfig | None:
+    """The gate/up GEMM ``g13`` rotating its input itself (``resident_input``): x's rows of ``tokens`` tokens over its
+    K split of ``per13`` k-tiles resident in shared memory, or None where they do not fit beside its weight stages."""
+    try:
+        return replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
+    except ValueError as err:
+        if "shared memory" not in str(err):
+            raise
+        return None
+
+
 def fused_topk(tokens: int, given: bool) -> bool:
     """Does the down GEMM do the top-k sum? One token routed by the router: its k' routes in k' blocks."""
     return tokens <= FUSED_TOPK_TOKENS and not given
@@ -687,9 +698,12 @@ class MoEPlan:
 
     def launches(self, tokens: int, given: bool = False) -> int:
         """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
-        fused = step_shape(self.dmoe, tokens, self.sm_count, self.arch).fused_intermediate
-        per_group = 4 - fused - resident_input(tokens, given)
-        return 1 + (not fused_topk(tokens, given)) + per_group * len(self.dmoe.groups)
+        return len(self.configs(tokens, given).kernels())
+
+    def configs(self, tokens: int, given: bool) -> StepConfigs:
+        """What a call with ``tokens`` tokens compiles and launches here (``step_configs``)."""
+        return step_configs(self.dmoe, tokens, given, self.arch, self.sm_count, KERNEL_DTYPES[self.x_dtype],
+                            KERNEL_DTYPES[self.out_dtype])
 
     def step(self, tokens: int, given: bool) -> _Step:
         key = (tokens, given)
@@ -699,8 +713,7 @@ class MoEPlan:
 
     def _make_step(self, tokens: int, given: bool) -> _Step:
         d, arch = self.dmoe, self.arch
-        c = step_configs(d, tokens, given, arch, self.sm_count, KERNEL_DTYPES[self.x_dtype],
-                         KERNEL_DTYPES[self.out_dtype])
+        c = self.configs(tokens, given)
         s = c.shape
         k, e_r, h_p, rows = d.route.routes_per_token, d.route.router_rows, d.hidden_padded, s.rows
         step = _Step(s)
@@ -825,26 +838,25 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
         order13, order2 = group_x_orders(arch, g, s)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
         early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
-        early13 = early_gate_up(tokens, resident, wgmma)
         first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
         warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
         warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)
         g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
                           **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
                           x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
-                          next_after_loop=early, group_first=first, weights_before_wait=early13,
-                          ready_signal=s.ready_counters)
+                          next_after_loop=early, group_first=first, ready_signal=s.ready_counters)
         g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
                          **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
                          weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
-        rotation = None if resident else replace(
-            input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
-        intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128,
-                                                                              s.block_rows)
         per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
         per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
-        if resident:
-            g13 = replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
+        resident13 = resident_config(g13, x_dtype, per13, tokens) if resident else None
+        early13 = early_gate_up(tokens, resident13 is not None, wgmma)
+        rotation = None if resident13 is not None else replace(
+            input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
+        g13 = resident13 or replace(g13, weights_before_wait=early13)
+        intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128,
+                                                                              s.block_rows)
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
