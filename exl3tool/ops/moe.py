@@ -489,10 +489,11 @@ def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int 
                               block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0)
 
 
-def resident_input(tokens: int, given: bool) -> bool:
+def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
     """Does the gate/up GEMM rotate x itself? A few tokens routed by the router: distinct experts a token, so an
-    expert's routes fit its one route block, a row each (the caller's topk_ids may repeat an expert)."""
-    return tokens <= RESIDENT_INPUT_TOKENS and not given
+    expert's routes (at most ``tokens``) fit its one route block of one token group, a row each (the caller's
+    topk_ids may repeat an expert)."""
+    return tokens <= RESIDENT_INPUT_TOKENS and tokens <= block_rows == 8 and not given
 
 
 def resident_config(g13: MoEGemmConfig, x_dtype: str, per13: int, tokens: int) -> MoEGemmConfig | None:
@@ -827,7 +828,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
                     early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
-    resident = resident_input(tokens, given)
+    resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count))
     topk_fused = fused_topk(tokens, given)

@@ -277,8 +277,7 @@ def test_resident_route_rows_change_no_bit(synthetic, name, ms, monkeypatch):
             with monkeypatch.context() as patch:
                 patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident)
                 plan = plan_moe(dmoe, max(ms))
-                made = [c.gate_up for c in moe_ops.step_configs(dmoe, m, False, plan.arch, plan.sm_count, "float16",
-                                                                 "float16").groups]
+                made = [c.gate_up for c in plan.configs(m, False).groups]
                 assert all(c.resident_rows == (m if resident > 1 else 1) for c in made)
                 assert all((c.input is not None) == (resident > 1) for c in made)
                 launches.append((plan.launches(m), plan.launches(m, True)))
