@@ -478,9 +478,12 @@ def private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift
         else:
             a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
         for mt in range(cfg.token_groups if mma_groups is None else mma_groups):
-            row = (mt * 8 + g) * cfg.x_row_words
-            if cutlass.const_expr(cfg.input is not None):  # resident rows: lane quad g's, the last past them
-                row = 0 if cfg.resident_rows == 1 else cutlass.min(g, cfg.resident_rows - 1) * cfg.resident_row_words
+            if cutlass.const_expr(cfg.input is None):
+                row = (mt * 8 + g) * cfg.x_row_words
+            elif cutlass.const_expr(cfg.resident_rows == 1):
+                row = 0  # the one token
+            else:  # resident rows: lane quad g's, the last past them
+                row = cutlass.min(g, cfg.resident_rows - 1) * cfg.resident_row_words
             b = load_b(cfg, sX, sX_addr, x_stage + row, kk, q, b_words, mt)
             if cutlass.const_expr(cfg.split_halves):
                 operands = split_halves_fragments(halves, b if cfg.x_order == "doubled" else doubled_b(b, ptx), ptx)
