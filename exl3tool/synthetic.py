@@ -8,9 +8,10 @@
     save_safetensors(path, tensors)                            a plain safetensors writer (raw bytes allowed)
     edit_checkpoint(path, drop=(), replace=None, add=None)     rewrite shards and index consistently
 
-Architectures: "llama" (dense), "qwen3_moe", "qwen2_moe" (shared expert + sigmoid gate), "mixtral"
-(block_sparse_moe, w1/w3/w2), "deepseek_v3" (shared experts, sigmoid group-limited routing). Everything is
-deterministic in `seed`.
+Architectures: "llama" (dense), "qwen3_moe", "qwen2_moe" (shared expert + sigmoid gate), "qwen3_next" (qwen2_moe's
+MoE block, renormalised; linear-attention layers, ExLlamaV3's names: in_proj_qkvz and out_proj quantized, in_proj_ba
+not, with a gated full-attention layer every `full_attention_interval`), "mixtral" (block_sparse_moe, w1/w3/w2),
+"deepseek_v3" (shared experts, sigmoid group-limited routing). Everything is deterministic in `seed`.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor | tupl
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_next")  # mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate)
 
 
 @dataclass
@@ -155,6 +157,8 @@ class ModelSpec:
     n_group: int = 2  # deepseek_v3 routing groups
     topk_group: int = 1
     routed_scaling_factor: float = 2.5
+    full_attention_interval: int = 4  # qwen3_next: layer i is full attention where (i + 1) % interval == 0
+    linear_heads: tuple[int, int, int] = (2, 4, 32)  # qwen3_next linear attention: key heads, value heads, head dim
 
     @property
     def moe(self) -> bool:
@@ -169,11 +173,17 @@ def _config(spec: ModelSpec) -> dict:
         "vocab_size": spec.vocab, "hidden_act": "silu", "tie_word_embeddings": False,
         "attention_bias": spec.attention_bias, "rms_norm_eps": 1e-6,
     }
-    if spec.arch in ("qwen3_moe", "qwen2_moe"):
+    if spec.arch in ("qwen3_moe", *GATED_SHARED_EXPERT):
         cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.top_k, norm_topk_prob=spec.norm_topk_prob,
                    moe_intermediate_size=spec.moe_intermediate, mlp_only_layers=list(spec.dense_layers))
-        if spec.arch == "qwen2_moe":
+        if spec.arch in GATED_SHARED_EXPERT:
             cfg["shared_expert_intermediate_size"] = spec.shared_intermediate
+        if spec.arch == "qwen3_next":
+            key_heads, value_heads, head_dim = spec.linear_heads
+            cfg.update(full_attention_interval=spec.full_attention_interval, linear_num_key_heads=key_heads,
+                       linear_num_value_heads=value_heads, linear_key_head_dim=head_dim,
+                       linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+                       layer_types=[_qwen3_next_layer(spec, i) for i in range(spec.num_layers)])
     elif spec.arch == "mixtral":
         cfg.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
     elif spec.arch == "deepseek_v3":
@@ -228,8 +238,13 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
         w.plain(f"{p}.input_layernorm.weight", (h,), scale=1.0)
-        for proj, fan_in, fan_out in (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h)):
-            w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=spec.attention_bias and proj != "o_proj")
+        if spec.arch == "qwen3_next" and _qwen3_next_layer(spec, i) == "linear_attention":
+            _linear_attention(w, f"{p}.linear_attn", spec)
+        else:
+            gated = 2 if spec.arch == "qwen3_next" else 1  # Qwen3-Next's q_proj also gives the output gate
+            for proj, fan_in, fan_out in (("q_proj", h, gated * q), ("k_proj", h, kv), ("v_proj", h, kv),
+                                          ("o_proj", q, h)):
+                w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=spec.attention_bias and proj != "o_proj")
         w.plain(f"{p}.post_attention_layernorm.weight", (h,), scale=1.0)
         if not spec.moe or i in spec.dense_layers:
             w.mlp(f"{p}.mlp", h, spec.intermediate)
@@ -241,7 +256,7 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
                 w.mlp(f"{block}.experts.{e}", h, spec.intermediate, ("w1", "w3", "w2"))
             else:
                 w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate)
-        if spec.arch == "qwen2_moe":
+        if spec.arch in GATED_SHARED_EXPERT:
             w.mlp(f"{block}.shared_expert", h, spec.shared_intermediate)
             w.plain(f"{block}.shared_expert_gate.weight", (1, h), torch.float16, scale=0.5)
         elif spec.arch == "deepseek_v3":
@@ -253,6 +268,24 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
     else:
         w.linear("lm_head", h, spec.vocab, bits=spec.head_bits)
     return w.modules
+
+
+def _qwen3_next_layer(spec: ModelSpec, i: int) -> str:
+    return "full_attention" if (i + 1) % spec.full_attention_interval == 0 else "linear_attention"
+
+
+def _linear_attention(w: _Writer, prefix: str, spec: ModelSpec) -> None:
+    """A Qwen3-Next gated delta-net layer as ExLlamaV3 stores it: the fused q/k/v/z and the output projections
+    quantized, the small b/a projection, the convolution and the per-head constants as they are."""
+    key_heads, value_heads, head_dim = spec.linear_heads
+    keys, values = key_heads * head_dim, value_heads * head_dim
+    w.linear(f"{prefix}.in_proj_qkvz", spec.hidden, 2 * keys + 2 * values)
+    w.plain(f"{prefix}.in_proj_ba.weight", (2 * value_heads, spec.hidden), torch.float16)
+    w.plain(f"{prefix}.conv1d.weight", (2 * keys + values, 1, 4))
+    w.plain(f"{prefix}.A_log", (value_heads,), torch.float32)
+    w.plain(f"{prefix}.dt_bias", (value_heads,))
+    w.plain(f"{prefix}.norm.weight", (head_dim,), scale=1.0)
+    w.linear(f"{prefix}.out_proj", values, spec.hidden)
 
 
 def _shard_names(n: int) -> list[str]:

@@ -42,6 +42,7 @@ ARCHS = {
     "qwen3_moe": dict(block="mlp", method="softmax", normalize=True),
     "mixtral": dict(block="block_sparse_moe", method="softmax", normalize=True),
     "qwen2_moe": dict(block="mlp", method="softmax", normalize=False, shared="shared_expert"),
+    "qwen3_next": dict(block="mlp", method="softmax", normalize=True, shared="shared_expert"),
     "deepseek_v3": dict(block="mlp", method="sigmoid", normalize=True, shared="shared_experts", scale=2.5,
                         n_group=2, topk_group=1),
 }
@@ -115,6 +116,37 @@ def test_unknown_routing_is_refused_for_blocks_only(tmp_path):
         with pytest.raises(UnsupportedFeatureError):
             ckpt.reference_forward("model.layers.0.mlp", torch.randn(1, 256))
         assert ckpt.reference_forward("model.layers.0.mlp.experts.0", torch.randn(1, 256)).shape == (1, 256)
+
+
+@pytest.mark.parametrize("arch,renormalised", [("qwen3_next", True), ("qwen2_moe", False)])
+def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arch, renormalised):
+    """Qwen3-Next is qwen2_moe's block renormalised (ExLlamaV3 loads it no other way), Qwen2-MoE not: a config
+    without norm_topk_prob routes as the model type does, and a block's weights sum to one exactly when
+    renormalised (the shared expert's gate closed)."""
+    import json
+
+    path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, num_experts=6, top_k=3,
+                                                       embeddings=False))
+    config = json.loads((path / "config.json").read_text())
+    del config["norm_topk_prob"]
+    (path / "config.json").write_text(json.dumps(config))
+    x = torch.randn(5, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.block("model.layers.0.mlp")
+        assert (block.routing.method, block.routing.top_k, block.routing.normalize) == ("softmax_topk", 3,
+                                                                                        renormalised)
+        router = ckpt.load_tensor(block.router.name)
+        weights = naive_weights(x, router, dict(method="softmax", top_k=3, normalize=renormalised))
+        sums = [sum(w.values()) for w in weights]
+        assert all(abs(total - 1) < 1e-12 for total in sums) == renormalised
+        got = ckpt.reference_forward("model.layers.0.mlp", x).double()
+        shared = ckpt.reference_forward("model.layers.0.mlp.shared_expert", x).double()
+        gate = torch.sigmoid(x.double() @ ckpt.load_tensor(block.shared_expert_gate.name).double().T)
+        expected = shared * gate
+        for t, chosen in enumerate(weights):
+            for e, w in chosen.items():
+                expected[t] += w * ckpt.reference_forward(f"model.layers.0.mlp.experts.{e}", x[t:t + 1])[0].double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
 def test_wrong_input_width_is_a_usage_error(tmp_path):

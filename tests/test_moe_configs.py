@@ -37,6 +37,22 @@ LAYERS = {
     "two-groups-k3-k5": LayerShape(MoERouteConfig("softmax_topk", 12, 3), 256,
                                    (group(5, "mcg", 384, first=-1), group(3, "3inst", 384, first=-1))),
     "hidden-intermediate-4096": LayerShape(MoERouteConfig("softmax_topk", 4, 2), 4096, (group(4, "mul1", 4096),)),
+    "qwen3-next-512-experts-top-10": LayerShape(MoERouteConfig("softmax_topk", 512, 10, shared="gated"), 256,
+                                                (group(4, "mcg", 128), group(4, "mcg", 256, first=512))),
+}
+
+# Published models' MoE layers as the plan sees them (at K=4 mcg): more experts, wider layers and other top-k than the
+# GPU tier's synthetic layers. Each plans on every arch; SM120 compiles three of them (``test_sm120_...``).
+MODELS = {
+    "qwen3-235b-a22b": LayerShape(MoERouteConfig("softmax_topk", 128, 8), 4096, (group(4, "mcg", 1536),)),
+    "qwen3-next-80b-a3b": LayerShape(MoERouteConfig("softmax_topk", 512, 10, shared="gated"), 2048,
+                                     (group(4, "mcg", 512), group(4, "mcg", 512, first=512))),
+    "glm-4.5-air": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 128, 8, correction_bias=True, shared="ungated"),
+                              4096, (group(4, "mcg", 1408), group(4, "mcg", 1408, first=128))),
+    "deepseek-v3": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 256, 8, scale=2.5, n_group=8, topk_group=4,
+                                             correction_bias=True, shared="ungated"),
+                              7168, (group(4, "mcg", 2048), group(4, "mcg", 2048, first=256))),
+    "mixtral-8x7b": LayerShape(MoERouteConfig("softmax_topk", 8, 2), 4096, (group(4, "mcg", 14336),)),
 }
 
 
@@ -46,12 +62,12 @@ def configs_of(step) -> list:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
 def test_every_step_plans_on_every_arch(name, arch):
     """Before the fix, SM120 and SM80 planned a fused intermediate and block-ready counters for the mma.sync 128-row
     blocks (shared decode, 4 tile columns a warp), which MoEGemmConfig refuses: the Qwen3-30B layer raised from 2048
     tokens on, the small layers from 256-683."""
-    d = LAYERS[name]
+    d = {**LAYERS, **MODELS}[name]
     for tokens, given, dtype in itertools.product(TOKENS, (False, True), ("float16", "bfloat16")):
         step = step_configs(d, tokens, given, arch, typical_sms(arch), dtype, dtype)
         s = step.shape
@@ -88,3 +104,18 @@ def test_sm120_steps_compile(tokens):
         assert ".target sm_120a" in ptx and "wgmma" not in ptx, config
         assert getattr(config, "smem_bytes", 0) <= SMEM_LIMIT_BYTES
 
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "deepseek-v3", "mixtral-8x7b"])
+def test_sm120_compiles_published_models(name):
+    """What an RTX 5090 compiles for 512 experts at top-10, a 7168-wide layer with group-limited routing, and a
+    14336-wide intermediate: every distinct config of four steps, within 99 KB of shared memory."""
+    from exl3tool.ops.moe_kernels import BUILDERS
+
+    configs = {c for tokens in (1, 16, 256, 4096)
+               for c in configs_of(step_configs(MODELS[name], tokens, False, "sm_120a", 170, "bfloat16", "bfloat16"))}
+    for config in configs:
+        ptx = compile_with_ptx(lambda options, c=config: BUILDERS[type(c)](c, options), "sm_120a")
+        assert ".target sm_120a" in ptx and "wgmma" not in ptx, config
+        assert getattr(config, "smem_bytes", 0) <= SMEM_LIMIT_BYTES

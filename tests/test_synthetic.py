@@ -14,12 +14,13 @@ from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint, write
 
 @pytest.mark.parametrize("arch, block, experts_names", [
     ("llama", "mlp", None), ("qwen3_moe", "mlp", "gate_proj"), ("qwen2_moe", "mlp", "gate_proj"),
-    ("mixtral", "block_sparse_moe", "w1"), ("deepseek_v3", "mlp", "gate_proj"),
+    ("qwen3_next", "mlp", "gate_proj"), ("mixtral", "block_sparse_moe", "w1"), ("deepseek_v3", "mlp", "gate_proj"),
 ])
 def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
     spec = ModelSpec(arch=arch, num_layers=2, num_experts=3, hidden=384, intermediate=200, moe_intermediate=160,
                      shards=2, head_bits=16 if arch == "llama" else 2.5, codebook="mul1",
-                     per_linear={"*.o_proj": (8, "3inst")}, n_group=1)  # 3 experts: not in 2 routing groups
+                     per_linear={"*.o_proj": (8, "3inst")}, n_group=1,  # 3 experts: not in 2 routing groups
+                     full_attention_interval=2)  # qwen3_next: layer 0 linear attention, layer 1 full
     path = write_checkpoint(tmp_path / arch, spec)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
@@ -39,6 +40,11 @@ def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
             assert expert.gate.name == f"model.layers.1.{block}.experts.2.{experts_names}"
             expected = spec.intermediate if arch == "mixtral" else spec.moe_intermediate
             assert (expert.gate.in_features, expert.gate.out_features) == (384, expected)
+        if arch == "qwen3_next":  # the gated q_proj; layer 0's linear attention: its two quantized projections
+            assert layer.attention.projections["q_proj"].out_padded == 2 * 256
+            assert ckpt.layer(0).attention is None and layer.mlp.routing.normalize
+            names = {lin.name for lin in ckpt.layer(0).linears}
+            assert {"model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.out_proj"} <= names
 
 
 def test_random_linear_layout():

@@ -24,8 +24,10 @@ KNOWN_QUANT_KEYS = frozenset({
 LAYOUT_KEYS = ("tile_order",)
 GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decoding any linear of the checkpoint
 
-# model_type -> routing method, and whether renormalising the top-k weights is the default
-_SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "mixtral": True, "minimax": True}
+# model_type -> routing method, and whether renormalising the top-k weights is the default (Qwen3-Next: qwen2_moe's
+# block, which ExLlamaV3 only loads renormalised)
+_SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "olmoe": False, "mixtral": True,
+                 "minimax": True}
 _SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "kimi_k2"}
 # Architectures without experts: a checkpoint of one of these that stores experts contradicts its config.
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
