@@ -11,7 +11,8 @@
 Architectures: "llama" (dense), "qwen3_moe", "qwen2_moe" (shared expert + sigmoid gate), "qwen3_next" (qwen2_moe's
 MoE block, renormalised; linear-attention layers, ExLlamaV3's names: in_proj_qkvz and out_proj quantized, in_proj_ba
 not, with a gated full-attention layer every `full_attention_interval`), "mixtral" (block_sparse_moe, w1/w3/w2),
-"deepseek_v3" (shared experts, sigmoid group-limited routing). Everything is deterministic in `seed`.
+"minimax_m2" (Mixtral's names, sigmoid routing with a correction bias, experts `intermediate` wide), "deepseek_v3"
+(shared experts, sigmoid group-limited routing). Everything is deterministic in `seed`.
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor | tupl
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM", "mixtral": "MixtralForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+BLOCK_SPARSE_MOE = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.N.w1 / w3 / w2, `intermediate` wide
 GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_next")  # mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate)
 
 
@@ -131,7 +134,7 @@ class ModelSpec:
 
     arch: str = "llama"
     hidden: int = 256
-    intermediate: int = 320  # dense MLP (and Mixtral's experts)
+    intermediate: int = 320  # dense MLP (and the experts of BLOCK_SPARSE_MOE)
     moe_intermediate: int = 128
     shared_intermediate: int = 192  # qwen2_moe shared expert; deepseek_v3 uses moe_intermediate * n_shared
     num_shared_experts: int = 1
@@ -184,8 +187,10 @@ def _config(spec: ModelSpec) -> dict:
                        linear_num_value_heads=value_heads, linear_key_head_dim=head_dim,
                        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
                        layer_types=[_qwen3_next_layer(spec, i) for i in range(spec.num_layers)])
-    elif spec.arch == "mixtral":
+    elif spec.arch in BLOCK_SPARSE_MOE:
         cfg.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
+        if spec.arch == "minimax_m2":
+            cfg.update(scoring_func="sigmoid", use_routing_bias=True)
     elif spec.arch == "deepseek_v3":
         cfg.update(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.top_k,
                    moe_intermediate_size=spec.moe_intermediate, n_shared_experts=spec.num_shared_experts,
@@ -249,10 +254,10 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
         if not spec.moe or i in spec.dense_layers:
             w.mlp(f"{p}.mlp", h, spec.intermediate)
             continue
-        block = f"{p}.block_sparse_moe" if spec.arch == "mixtral" else f"{p}.mlp"
+        block = f"{p}.block_sparse_moe" if spec.arch in BLOCK_SPARSE_MOE else f"{p}.mlp"
         w.plain(f"{block}.gate.weight", (spec.num_experts, h), torch.float16, scale=0.5)
         for e in range(spec.num_experts):
-            if spec.arch == "mixtral":
+            if spec.arch in BLOCK_SPARSE_MOE:
                 w.mlp(f"{block}.experts.{e}", h, spec.intermediate, ("w1", "w3", "w2"))
             else:
                 w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate)
@@ -261,6 +266,7 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
             w.plain(f"{block}.shared_expert_gate.weight", (1, h), torch.float16, scale=0.5)
         elif spec.arch == "deepseek_v3":
             w.mlp(f"{block}.shared_experts", h, spec.moe_intermediate * spec.num_shared_experts)
+        if spec.arch in ("deepseek_v3", "minimax_m2"):
             w.plain(f"{block}.gate.e_score_correction_bias", (spec.num_experts,), torch.float32, scale=0.1)
     w.plain("model.norm.weight", (h,), scale=1.0)
     if spec.head_bits == 16:

@@ -41,6 +41,7 @@ def naive_weights(x, router, cfg, bias=None):
 ARCHS = {
     "qwen3_moe": dict(block="mlp", method="softmax", normalize=True),
     "mixtral": dict(block="block_sparse_moe", method="softmax", normalize=True),
+    "minimax_m2": dict(block="block_sparse_moe", method="sigmoid", normalize=True, n_group=1, topk_group=1),
     "qwen2_moe": dict(block="mlp", method="softmax", normalize=False, shared="shared_expert"),
     "qwen3_next": dict(block="mlp", method="softmax", normalize=True, shared="shared_expert"),
     "deepseek_v3": dict(block="mlp", method="sigmoid", normalize=True, shared="shared_experts", scale=2.5,
@@ -147,6 +148,25 @@ def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arc
             for e, w in chosen.items():
                 expected[t] += w * ckpt.reference_forward(f"model.layers.0.mlp.experts.{e}", x[t:t + 1])[0].double()
     assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2"])
+def test_deepseek_like_model_types_route_as_deepseek_v3(tmp_path, model_type):
+    """DeepSeek-V3's names and router in other models (one routing group): the same routing read from the config,
+    the same block output bit for bit."""
+    import json
+
+    path = write_checkpoint(tmp_path / "ds", ModelSpec(arch="deepseek_v3", num_layers=1, num_experts=8, top_k=3,
+                                                       n_group=1, topk_group=1, embeddings=False))
+    x = torch.randn(4, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        routing, want = ckpt.block("model.layers.0.mlp").routing, ckpt.reference_forward("model.layers.0.mlp", x)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = model_type
+    (path / "config.json").write_text(json.dumps(config))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert ckpt.block("model.layers.0.mlp").routing == routing and routing.method == "sigmoid_noaux_tc"
+        assert torch.equal(ckpt.reference_forward("model.layers.0.mlp", x), want)
 
 
 def test_wrong_input_width_is_a_usage_error(tmp_path):

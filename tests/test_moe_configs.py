@@ -37,6 +37,8 @@ LAYERS = {
     "two-groups-k3-k5": LayerShape(MoERouteConfig("softmax_topk", 12, 3), 256,
                                    (group(5, "mcg", 384, first=-1), group(3, "3inst", 384, first=-1))),
     "hidden-intermediate-4096": LayerShape(MoERouteConfig("softmax_topk", 4, 2), 4096, (group(4, "mul1", 4096),)),
+    "minimax-m2-sigmoid-one-group": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 32, 8, correction_bias=True), 256,
+                                               (group(4, "mcg", 256),)),
     "qwen3-next-512-experts-top-10": LayerShape(MoERouteConfig("softmax_topk", 512, 10, shared="gated"), 256,
                                                 (group(4, "mcg", 128), group(4, "mcg", 256, first=512))),
 }
@@ -53,6 +55,8 @@ MODELS = {
                                              correction_bias=True, shared="ungated"),
                               7168, (group(4, "mcg", 2048), group(4, "mcg", 2048, first=256))),
     "mixtral-8x7b": LayerShape(MoERouteConfig("softmax_topk", 8, 2), 4096, (group(4, "mcg", 14336),)),
+    "minimax-m2": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 256, 8, correction_bias=True), 3072,
+                             (group(4, "mcg", 1536),)),
 }
 
 

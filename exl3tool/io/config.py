@@ -28,7 +28,9 @@ GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decodi
 # block, which ExLlamaV3 only loads renormalised)
 _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "olmoe": False, "mixtral": True,
                  "minimax": True}
-_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "kimi_k2"}
+# (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
+# as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling)
+_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2"}
 # Architectures without experts: a checkpoint of one of these that stores experts contradicts its config.
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
                                "phi3", "olmo", "olmo2", "cohere"})

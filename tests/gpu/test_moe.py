@@ -138,6 +138,9 @@ SYNTHETIC = {
                               codebook="mcg", per_linear={"*.experts.[13579].*": (3, "3inst")}), [2, 40]),
     "hidden-intermediate-4096": (dict(arch="qwen3_moe", hidden=4096, moe_intermediate=4096, num_experts=4, top_k=2,
                                       bits=4, codebook="mul1"), [1, 64]),
+    # MiniMax-M2's routing (sigmoid scores, a correction bias, one group, no shared expert; Mixtral's names)
+    "minimax-m2-sigmoid-one-group": (dict(arch="minimax_m2", hidden=256, intermediate=256, num_experts=32, top_k=8,
+                                          bits=4, codebook="mcg"), [1, 9, 150]),
     # Qwen3-Next's routing (512 experts, top-10, renormalised, a gated shared expert) at a small width
     "qwen3-next-512-experts-top-10": (dict(arch="qwen3_next", hidden=256, moe_intermediate=128,
                                            shared_intermediate=256, num_experts=512, top_k=10, bits=4,
