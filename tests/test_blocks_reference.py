@@ -119,17 +119,21 @@ def test_unknown_routing_is_refused_for_blocks_only(tmp_path):
         assert ckpt.reference_forward("model.layers.0.mlp.experts.0", torch.randn(1, 256)).shape == (1, 256)
 
 
-@pytest.mark.parametrize("arch,renormalised", [("qwen3_next", True), ("qwen2_moe", False)])
-def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arch, renormalised):
-    """Qwen3-Next is qwen2_moe's block renormalised (ExLlamaV3 loads it no other way), Qwen2-MoE not: a config
-    without norm_topk_prob routes as the model type does, and a block's weights sum to one exactly when
-    renormalised (the shared expert's gate closed)."""
+@pytest.mark.parametrize("arch,model_type,renormalised", [
+    ("qwen3_next", "qwen3_next", True), ("qwen3_next", "qwen3_5_moe", True), ("qwen3_next", "qwen3_5_moe_text", True),
+    ("qwen3_moe", "qwen3_vl_moe_text", True), ("qwen2_moe", "qwen2_moe", False), ("qwen3_moe", "qwen3_moe", False),
+])
+def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arch, model_type, renormalised):
+    """Qwen3-Next and Qwen3.5 are qwen2_moe's block renormalised, Qwen3-VL qwen3_moe's (ExLlamaV3 loads them no other
+    way), Qwen2-MoE and Qwen3-MoE by default not: a config without norm_topk_prob routes as the model type does,
+    and a block's weights sum to one exactly when renormalised (a shared expert adds its gated output)."""
     import json
 
     path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, num_experts=6, top_k=3,
                                                        embeddings=False))
     config = json.loads((path / "config.json").read_text())
     del config["norm_topk_prob"]
+    config["model_type"] = model_type
     (path / "config.json").write_text(json.dumps(config))
     x = torch.randn(5, 256)
     with exl3tool.open_checkpoint(path) as ckpt:
@@ -141,9 +145,10 @@ def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arc
         sums = [sum(w.values()) for w in weights]
         assert all(abs(total - 1) < 1e-12 for total in sums) == renormalised
         got = ckpt.reference_forward("model.layers.0.mlp", x).double()
-        shared = ckpt.reference_forward("model.layers.0.mlp.shared_expert", x).double()
-        gate = torch.sigmoid(x.double() @ ckpt.load_tensor(block.shared_expert_gate.name).double().T)
-        expected = shared * gate
+        expected = torch.zeros(5, 256, dtype=torch.float64)
+        if block.shared_experts is not None:
+            shared = ckpt.reference_forward("model.layers.0.mlp.shared_expert", x).double()
+            expected += shared * torch.sigmoid(x.double() @ ckpt.load_tensor(block.shared_expert_gate.name).double().T)
         for t, chosen in enumerate(weights):
             for e, w in chosen.items():
                 expected[t] += w * ckpt.reference_forward(f"model.layers.0.mlp.experts.{e}", x[t:t + 1])[0].double()

@@ -24,10 +24,12 @@ KNOWN_QUANT_KEYS = frozenset({
 LAYOUT_KEYS = ("tile_order",)
 GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decoding any linear of the checkpoint
 
-# model_type -> routing method, and whether renormalising the top-k weights is the default (Qwen3-Next: qwen2_moe's
-# block, which ExLlamaV3 only loads renormalised)
-_SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "olmoe": False, "mixtral": True,
-                 "minimax": True}
+# model_type -> routing method, and whether renormalising the top-k weights is the default (Qwen3-Next and Qwen3.5 /
+# 3.6: qwen2_moe's block, Qwen3-VL: qwen3_moe's, which ExLlamaV3 loads only renormalised; multimodal configs give the
+# text model's type, "..._text")
+_SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qwen3_5_moe": True,
+                 "qwen3_5_moe_text": True, "qwen3_vl_moe": True, "qwen3_vl_moe_text": True, "olmoe": False,
+                 "mixtral": True, "minimax": True}
 # (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
 # as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling)
 _SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2"}
