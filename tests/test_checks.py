@@ -289,6 +289,23 @@ def test_router_wrong_shape(moe):
     assert_problem(moe, "router-shape", FILE, "model.layers.0.mlp.gate.weight")
 
 
+@pytest.mark.parametrize("arch,tensor,value", [
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", torch.zeros(2, 256, dtype=torch.float16)),
+    ("deepseek_v3", "model.layers.0.mlp.gate.e_score_correction_bias", torch.zeros(3)),
+    ("deepseek_v3", "model.layers.0.mlp.gate.e_score_correction_bias", torch.zeros(4, 1)),
+    ("qwen3_moe", "model.layers.0.mlp.gate.weight", ("F8_E4M3", (4, 256), bytes(4 * 256))),
+])
+def test_router_companions_of_the_wrong_shape_or_dtype(tmp_path, arch, tensor, value):
+    """The shared expert's gate [1, hidden], the correction bias [experts] and the router itself, each in a float
+    type torch loads: the block is refused (prepare, the reference) instead of failing inside a matmul."""
+    path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, n_group=1, embeddings=False))
+    edit_checkpoint(path, replace={tensor: value})
+    assert_problem(path, "router-shape", FILE, tensor)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        with pytest.raises(CheckpointProblemsError):
+            ckpt.reference_forward("model.layers.0.mlp", torch.randn(1, 256))
+
+
 def test_expert_beyond_the_configured_count(moe):
     from exl3tool.synthetic import linear_state_dict, random_linear
 

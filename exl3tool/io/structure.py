@@ -19,6 +19,8 @@ from exl3tool.format import (
 )
 from exl3tool.io.config import CONFIG, DENSE_MODEL_TYPES, MAX_EXPERTS, routing_conflict
 
+# The router, the shared expert's gate and the correction bias: float types the reference and the kernels load
+ROUTER_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention)\.(?P<proj>[^.]+)$")
 _EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
@@ -183,21 +185,25 @@ class _Builder:
                             "expert-shape", f"padded shape {lin.in_padded}x{lin.out_padded} differs from expert "
                             f"{ref_e}'s {ref_lin.in_padded}x{ref_lin.out_padded}", lin.file, lin.name, module=name))
         router = self.unquantized.get(f"{name}.gate.weight")
+        gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
+        bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
         if router is None:
             usable = False
             if self.complete:
                 self.problems.append(Problem(
                     "missing-router", "missing: a MoE block needs its fp16 router weight", where,
                     f"{name}.gate.weight", module=name))
-        elif len(router.shape) != 2 or router.shape != (count, self.dims.hidden or router.shape[-1]):
-            usable = False
-            self.problems.append(Problem(
-                "router-shape", f"router shape {list(router.shape)} is not [{count}, hidden_size]", router.file,
-                router.name, module=name))
+        hidden = self.dims.hidden or (router.shape[-1] if router is not None and router.shape else None)
+        for what, tensor, shape, dims in (("router", router, (count, hidden), "[experts, hidden_size]"),
+                                          ("shared expert gate", gate, (1, hidden), "[1, hidden_size]"),
+                                          ("correction bias", bias, (count,), "[experts]")):
+            if tensor is not None and (tensor.shape != shape or tensor.dtype not in ROUTER_DTYPES):
+                usable = False
+                self.problems.append(Problem(
+                    "router-shape", f"{what} {tensor.dtype} {list(tensor.shape)} is not a float {dims} = "
+                    f"{list(shape)}", tensor.file, tensor.name, module=name))
         if not usable:
             return None
-        gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
-        bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
         return MoEBlock(name, router, tuple(built[e] for e in range(count)), routing, shared, gate, bias)
 
     def layer(self, stack: str, index: int, parts: _LayerParts) -> Layer:
