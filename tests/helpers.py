@@ -45,6 +45,17 @@ def assert_early_next(ptx: str, early: bool, arch: str) -> None:
     assert not GLOBAL_ACCESS.search(ptx[wait:trigger]) and "cp.async" not in ptx[:trigger]
 
 
+def edit_config(path, **values) -> None:
+    """Set keys of a checkpoint's config.json (None: remove the key)."""
+    config = json.loads((path / "config.json").read_text())
+    for key, value in values.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
 def model_dir(name: str) -> Path:
     """The checkpoint folder of a genuine fixture (the Qwen3-MoE one is the example)."""
     return EXAMPLE if name == "qwen3moe_mul1" else FIXTURES / name

@@ -10,6 +10,7 @@ import exl3tool
 from exl3tool.errors import UnsupportedFeatureError, UsageError
 from exl3tool.format import MoEBlock
 from exl3tool.synthetic import ModelSpec, write_checkpoint
+from helpers import edit_config
 
 
 def naive_weights(x, router, cfg, bias=None):
@@ -107,12 +108,8 @@ def test_layer_lists_linears_and_blocks(tmp_path):
 
 
 def test_unknown_routing_is_refused_for_blocks_only(tmp_path):
-    import json
-
     path = write_checkpoint(tmp_path / "u", ModelSpec(arch="qwen3_moe", num_layers=1, embeddings=False))
-    config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "someone_elses_moe"
-    (path / "config.json").write_text(json.dumps(config))
+    edit_config(path, model_type="someone_elses_moe")
     with exl3tool.open_checkpoint(path) as ckpt:
         with pytest.raises(UnsupportedFeatureError):
             ckpt.reference_forward("model.layers.0.mlp", torch.randn(1, 256))
@@ -127,14 +124,9 @@ def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arc
     """Qwen3-Next and Qwen3.5 are qwen2_moe's block renormalised, Qwen3-VL qwen3_moe's (ExLlamaV3 loads them no other
     way), Qwen2-MoE and Qwen3-MoE by default not: a config without norm_topk_prob routes as the model type does,
     and a block's weights sum to one exactly when renormalised (a shared expert adds its gated output)."""
-    import json
-
     path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, num_experts=6, top_k=3,
                                                        embeddings=False))
-    config = json.loads((path / "config.json").read_text())
-    del config["norm_topk_prob"]
-    config["model_type"] = model_type
-    (path / "config.json").write_text(json.dumps(config))
+    edit_config(path, norm_topk_prob=None, model_type=model_type)
     x = torch.randn(5, 256)
     with exl3tool.open_checkpoint(path) as ckpt:
         block = ckpt.block("model.layers.0.mlp")
@@ -159,16 +151,12 @@ def test_routing_default_when_the_config_leaves_norm_topk_prob_out(tmp_path, arc
 def test_deepseek_like_model_types_route_as_deepseek_v3(tmp_path, model_type):
     """DeepSeek-V3's names and router in other models (one routing group): the same routing read from the config,
     the same block output bit for bit."""
-    import json
-
     path = write_checkpoint(tmp_path / "ds", ModelSpec(arch="deepseek_v3", num_layers=1, num_experts=8, top_k=3,
                                                        n_group=1, topk_group=1, embeddings=False))
     x = torch.randn(4, 256)
     with exl3tool.open_checkpoint(path) as ckpt:
         routing, want = ckpt.block("model.layers.0.mlp").routing, ckpt.reference_forward("model.layers.0.mlp", x)
-    config = json.loads((path / "config.json").read_text())
-    config["model_type"] = model_type
-    (path / "config.json").write_text(json.dumps(config))
+    edit_config(path, model_type=model_type)
     with exl3tool.open_checkpoint(path) as ckpt:
         assert ckpt.block("model.layers.0.mlp").routing == routing and routing.method == "sigmoid_noaux_tc"
         assert torch.equal(ckpt.reference_forward("model.layers.0.mlp", x), want)

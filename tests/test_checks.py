@@ -15,7 +15,7 @@ import exl3tool
 from exl3tool.errors import CheckpointProblemsError
 from exl3tool.format import MCG_MARKER
 from exl3tool.synthetic import ModelSpec, edit_checkpoint, save_safetensors, write_checkpoint
-from helpers import model_dir, run_cli
+from helpers import edit_config, model_dir, run_cli
 
 DENSE = ModelSpec(arch="llama", num_layers=1, embeddings=False)
 MOE = ModelSpec(arch="qwen3_moe", num_layers=1, embeddings=False)
@@ -240,17 +240,13 @@ def test_unknown_tile_order_is_refused(dense):
 # --- config consistency and completeness -----------------------------------------------------------------
 
 def test_padded_size_disagrees_with_config(dense):
-    config = json.loads((dense / "config.json").read_text())
-    config["intermediate_size"] = 520  # pads to 640, the trellis says 384
-    (dense / "config.json").write_text(json.dumps(config))
+    edit_config(dense, intermediate_size=520)  # pads to 640, the trellis says 384
     p = assert_problem(dense, "config-dims", FILE, f"{GATE}.trellis")
     assert "intermediate_size = 520" in p["message"]
 
 
 def test_missing_layer(dense):
-    config = json.loads((dense / "config.json").read_text())
-    config["num_hidden_layers"] = 2
-    (dense / "config.json").write_text(json.dumps(config))
+    edit_config(dense, num_hidden_layers=2)
     assert_problem(dense, "missing-layer", "config.json", "model.layers.1")
 
 
@@ -325,23 +321,11 @@ def test_layer_beyond_num_hidden_layers(dense):
 
 
 def test_malformed_config_value(dense):
-    config = json.loads((dense / "config.json").read_text())
-    config["hidden_size"] = "wide"
-    (dense / "config.json").write_text(json.dumps(config))
+    edit_config(dense, hidden_size="wide")
     code, report, _, _ = inspect(dense)
     assert code == 1
     p = next(p for p in report["problems"] if p["check"] == "config-value")
     assert p["file"] == "config.json" and "hidden_size" in p["message"]
-
-
-def _edit_config(path, **values):
-    config = json.loads((path / "config.json").read_text())
-    for key, value in values.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("key, value", [
@@ -351,7 +335,7 @@ def _edit_config(path, **values):
 ])
 def test_config_values_of_the_wrong_type_or_size(dense, key, value):
     """A value no model has is a problem and reads as absent: never a TypeError, never a billion-layer loop."""
-    _edit_config(dense, **{key: value})
+    edit_config(dense, **{key: value})
     code, report, _, _ = inspect(dense)
     assert code == 1
     p = next(p for p in report["problems"] if p["check"] == "config-value")
@@ -380,7 +364,7 @@ def test_quantization_config_values(dense, qc, words):
 
 
 def test_missing_layers_are_one_problem_per_gap(dense):
-    _edit_config(dense, num_hidden_layers=5000)
+    edit_config(dense, num_hidden_layers=5000)
     code, report, _, _ = inspect(dense)
     assert code == 1
     assert [(p["check"], p["tensor"], p["message"]) for p in report["problems"]] == [
@@ -389,7 +373,7 @@ def test_missing_layers_are_one_problem_per_gap(dense):
 
 def test_top_k_beyond_the_experts(moe):
     """Claimed sound but wrong: the reference would raise a raw torch error. Now a problem, and refused."""
-    _edit_config(moe, num_experts_per_tok=9)
+    edit_config(moe, num_experts_per_tok=9)
     p = assert_problem(moe, "config-value", "config.json", "model.layers.0.mlp")
     assert p["message"] == "num_experts_per_tok = 9 is more than the 4 experts"
     with exl3tool.open_checkpoint(moe) as ckpt:
@@ -405,13 +389,13 @@ def test_routing_groups_that_do_not_divide_the_experts(tmp_path):
 
 
 def test_dense_model_type_with_experts(moe):
-    _edit_config(moe, model_type="llama")
+    edit_config(moe, model_type="llama")
     p = assert_problem(moe, "model-type", "config.json", "model.layers.0.mlp")
     assert "'llama' is a dense architecture" in p["message"]
 
 
 def test_experts_the_config_does_not_declare(moe):
-    _edit_config(moe, num_experts=None)
+    edit_config(moe, num_experts=None)
     p = assert_problem(moe, "expert-count", "config.json", "model.layers.0.mlp")
     assert "declares no experts" in p["message"] and "stores 4" in p["message"]
 

@@ -109,7 +109,6 @@ def test_sm120_steps_compile(tokens):
         assert getattr(config, "smem_bytes", 0) <= SMEM_LIMIT_BYTES
 
 
-
 @pytest.mark.compile
 @pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "deepseek-v3", "mixtral-8x7b"])
 def test_sm120_compiles_published_models(name):
