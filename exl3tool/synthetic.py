@@ -27,6 +27,7 @@ from typing import Mapping
 import torch
 
 from exl3tool.checkpoint import TORCH_DTYPES
+from exl3tool.io.config import GATED_SHARED_EXPERT_TYPES
 from exl3tool.format import (
     MCG_MARKER, MUL1_MARKER, TILE, Codebook, LinearInfo, LinearTensors, padded, words_from_bits,
 )
@@ -124,7 +125,7 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 BLOCK_SPARSE_MOE = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.N.w1 / w3 / w2, `intermediate` wide
-GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_next")  # mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate)
+GATED_SHARED_EXPERT = tuple(a for a in ARCHITECTURES if a in GATED_SHARED_EXPERT_TYPES)  # mlp.shared_expert
 
 
 @dataclass

@@ -280,6 +280,29 @@ def test_missing_router(moe):
     assert_problem(moe, "missing-router", FILE, "model.layers.0.mlp.gate.weight")
 
 
+@pytest.mark.parametrize("arch,model_type,tensor", [
+    ("deepseek_v3", "deepseek_v3", "model.layers.0.mlp.gate.e_score_correction_bias"),
+    ("deepseek_v3", "glm4_moe", "model.layers.0.mlp.gate.e_score_correction_bias"),
+    ("qwen2_moe", "qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight"),
+    ("qwen3_next", "qwen3_5_moe_text", "model.layers.0.mlp.shared_expert_gate.weight"),
+])
+def test_missing_what_the_routing_computes_with(tmp_path, arch, model_type, tensor):
+    """Sigmoid routing chooses experts by score + correction bias, and a Qwen2-MoE-style shared expert is scaled by
+    its gate: without them the block would compute something else, so it is refused like a block without a router."""
+    path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, n_group=1, embeddings=False))
+    edit_config(path, model_type=model_type)
+    assert inspect(path)[0] == 0
+    edit_checkpoint(path, drop=[tensor])
+    assert_problem(path, "missing-router", FILE, tensor)
+
+
+def test_ungated_shared_experts_need_no_gate(tmp_path):
+    path = write_checkpoint(tmp_path / "ds", ModelSpec(arch="deepseek_v3", num_layers=1, n_group=1, embeddings=False))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.block("model.layers.0.mlp")
+        assert block.shared_experts is not None and block.shared_expert_gate is None and ckpt.check() == []
+
+
 def test_router_wrong_shape(moe):
     edit_checkpoint(moe, replace={"model.layers.0.mlp.gate.weight": torch.zeros(3, 256, dtype=torch.float16)})
     assert_problem(moe, "router-shape", FILE, "model.layers.0.mlp.gate.weight")

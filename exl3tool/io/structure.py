@@ -17,7 +17,7 @@ from exl3tool.errors import Problem
 from exl3tool.format import (
     Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
-from exl3tool.io.config import CONFIG, DENSE_MODEL_TYPES, MAX_EXPERTS, routing_conflict
+from exl3tool.io.config import CONFIG, DENSE_MODEL_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, routing_conflict
 
 # The router, the shared expert's gate and the correction bias: float types the reference and the kernels load
 ROUTER_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -187,12 +187,18 @@ class _Builder:
         router = self.unquantized.get(f"{name}.gate.weight")
         gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
         bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
+        missing = []  # the router, and what this routing or shared expert computes with beside it
         if router is None:
+            missing.append(("gate.weight", "a MoE block needs its fp16 router weight"))
+        if routing is not None and routing.method == "sigmoid_noaux_tc" and bias is None:
+            missing.append(("gate.e_score_correction_bias", "sigmoid routing chooses by score + correction bias"))
+        if shared is not None and model_type in GATED_SHARED_EXPERT_TYPES and gate is None:
+            missing.append(("shared_expert_gate.weight", f"a {model_type} shared expert is scaled by its gate"))
+        for tensor, why in missing:
             usable = False
             if self.complete:
-                self.problems.append(Problem(
-                    "missing-router", "missing: a MoE block needs its fp16 router weight", where,
-                    f"{name}.gate.weight", module=name))
+                self.problems.append(Problem("missing-router", f"missing: {why}", where, f"{name}.{tensor}",
+                                             module=name))
         hidden = self.dims.hidden or (router.shape[-1] if router is not None and router.shape else None)
         for what, tensor, shape, dims in (("router", router, (count, hidden), "[experts, hidden_size]"),
                                           ("shared expert gate", gate, (1, hidden), "[1, hidden_size]"),
