@@ -27,10 +27,10 @@ from typing import Mapping
 import torch
 
 from exl3tool.checkpoint import TORCH_DTYPES
-from exl3tool.io.config import GATED_SHARED_EXPERT_TYPES
 from exl3tool.format import (
     MCG_MARKER, MUL1_MARKER, TILE, Codebook, LinearInfo, LinearTensors, padded, words_from_bits,
 )
+from exl3tool.io.config import GATED_SHARED_EXPERT_TYPES
 from exl3tool.reference.signs import pack_signs
 
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> safetensors name
