@@ -157,6 +157,13 @@ class LinearTensors:
 # --- modules ---------------------------------------------------------------------------------------------
 
 
+# HF's names of the gated MLPs' activation (transformers' ACT2FN) -> what they compute, the names blocks carry:
+# SiLU (Llama, Qwen, Mixtral, DeepSeek, ...) and GELU, exact or in its tanh form (Gemma 2 / 3 gelu_pytorch_tanh;
+# gelu_new is the same formula). Any other name is kept as read, and whole blocks with it are refused.
+ACTIVATION_KINDS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                    "gelu_new": "gelu_tanh"}
+
+
 @dataclass(frozen=True)
 class GatedMLP:
     """down(act(gate(x)) * up(x)). `name` is the module key (`model.layers.0.mlp`, `...experts.3`, ...)."""
@@ -297,6 +304,7 @@ class ModelConfig:
     quant: QuantConfig
     routing: Routing | None  # None for dense models
     tie_word_embeddings: bool = False
+    activation: str = "silu"  # the gated MLPs' act(gate(x)) * up(x): ACTIVATION_KINDS' kind, or an unknown name
 
 
 # --- the whole checkpoint --------------------------------------------------------------------------------

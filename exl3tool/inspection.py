@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exl3tool.errors import Exl3Error, Problem, ProblemKind, UsageError
-from exl3tool.format import CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo
+from exl3tool.format import ACTIVATION_KINDS, CheckpointModel, GatedMLP, Layer, LinearInfo, MoEBlock, TensorInfo
 from exl3tool.io.config import CONFIG
 from exl3tool.io.scan import scan_checkpoint
 from exl3tool.prepared import is_prepared
@@ -239,6 +239,10 @@ def _notes(model: CheckpointModel) -> tuple[str, ...]:
     if unknown_dims:
         notes.append(f"{len(unknown_dims)} linear(s) whose true size config.json does not give: padded sizes shown "
                      f"(first: {unknown_dims[0]})")
+    activation = model.config.activation
+    if activation not in ACTIVATION_KINDS.values():
+        notes.append(f"MLP activation {activation!r} is not known: the reference refuses whole MLP and MoE blocks "
+                     "(single linears still work)")
     routing = model.config.routing
     if routing is not None and routing.method == "unknown":
         notes.append(f"MoE routing of model_type {model.config.model_type!r} is not known: the reference will "

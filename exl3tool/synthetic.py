@@ -143,6 +143,7 @@ class ModelSpec:
     num_experts: int = 4
     top_k: int = 2
     norm_topk_prob: bool = True
+    hidden_act: str = "silu"  # config.json's name of the MLPs' activation
     dense_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
     num_heads: int = 4
     num_kv_heads: int = 2
@@ -174,7 +175,7 @@ def _config(spec: ModelSpec) -> dict:
         "architectures": [ARCHITECTURES[spec.arch]], "model_type": spec.arch, "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "num_hidden_layers": spec.num_layers,
-        "vocab_size": spec.vocab, "hidden_act": "silu", "tie_word_embeddings": False,
+        "vocab_size": spec.vocab, "hidden_act": spec.hidden_act, "tie_word_embeddings": False,
         "attention_bias": spec.attention_bias, "rms_norm_eps": 1e-6,
     }
     if spec.arch in ("qwen3_moe", *GATED_SHARED_EXPERT):

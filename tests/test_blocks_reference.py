@@ -96,6 +96,51 @@ def test_dense_mlp_is_silu_gated(tmp_path):
         assert torch.allclose(ckpt.reference_forward(q, x), x @ ckpt.dequantize(q).T + bias, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("keys,kind", [
+    (dict(hidden_act="gelu_pytorch_tanh"), "gelu_tanh"),
+    (dict(hidden_act="gelu", hidden_activation="gelu_pytorch_tanh"), "gelu_tanh"),  # Gemma: hidden_activation first
+    (dict(hidden_act="gelu"), "gelu"), (dict(hidden_act="gelu_new"), "gelu_tanh"), (dict(hidden_act="swish"), "silu"),
+    (dict(hidden_act=None), "silu"),
+])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_mlp_activation_from_the_config(tmp_path, arch, keys, kind):
+    """The gated MLPs compute config.json's activation (before, SiLU whatever it said): a dense MLP and every expert
+    of a MoE block equal down(act(gate(x)) * up(x)) from their single linears, act by HF's definition."""
+    path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, embeddings=False))
+    edit_config(path, **keys)
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+           "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[kind]
+    x = torch.randn(3, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.block("model.layers.0.mlp")
+        mlps = block.experts if isinstance(block, MoEBlock) else (block,)
+        assert {m.activation for m in mlps} == {kind}
+        for m in mlps[:2]:
+            gate, up = (ckpt.reference_forward(lin.name, x).double() for lin in (m.gate, m.up))
+            want = ckpt.reference_forward(m.down.name, act(gate).float() * up.float()).double()
+            got = ckpt.reference_forward(m.name, x).double()
+            assert ((got - want).norm() / want.norm()).item() < 1e-6, m.name
+
+
+def test_unknown_mlp_activation_is_refused_for_blocks_only(tmp_path):
+    path = write_checkpoint(tmp_path / "relu2", ModelSpec(arch="qwen3_moe", num_layers=1, embeddings=False,
+                                                          hidden_act="relu2"))
+    with exl3tool.open_checkpoint(path) as ckpt:
+        for name in ("model.layers.0.mlp", "model.layers.0.mlp.experts.0"):
+            with pytest.raises(UnsupportedFeatureError, match="relu2"):
+                ckpt.reference_forward(name, torch.randn(1, 256))
+        assert ckpt.reference_forward("model.layers.0.mlp.experts.0.up_proj", torch.randn(1, 256)).shape == (1, 128)
+    report = exl3tool.inspect_checkpoint(str(path))
+    assert any("activation 'relu2' is not known" in note for note in report.notes)
+
+
+def test_every_activation_kind_has_its_function():
+    from exl3tool.format import ACTIVATION_KINDS
+    from exl3tool.reference import ACTIVATIONS
+
+    assert set(ACTIVATION_KINDS.values()) == set(ACTIVATIONS)
+
+
 def test_layer_lists_linears_and_blocks(tmp_path):
     path = write_checkpoint(tmp_path / "q2", ModelSpec(arch="qwen2_moe", num_layers=2, dense_layers=(1,),
                                                        embeddings=False))

@@ -151,6 +151,8 @@ def assert_stacks_hold_the_experts(src, prep, layer: int) -> None:
     ("qwen2_moe", {"legacy_signs": True}),  # shared expert + sigmoid gate; su/sv expanded to fp16
     ("mixtral", {"intermediate": 160, "codebook": "3inst"}),
     ("deepseek_v3", {"dense_layers": (0,), "num_layers": 3, "codebook": "mul1", "bits": 2.5}),
+    ("qwen3_next", {"full_attention_interval": 2}),  # linear-attention layers' tensors carried as they are
+    ("minimax_m2", {"hidden_act": "gelu_pytorch_tanh", "intermediate": 128}),  # the activation kept with each MLP
 ])
 def test_round_trip_synthetic_moe(tmp_path, arch, extra):
     src = write_checkpoint(tmp_path / "src", ModelSpec(arch=arch, **{**SMALL, **extra}, shards=2))

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from exl3tool import reference
 from exl3tool.bench import peers
@@ -201,15 +200,17 @@ def _same(infos, field):
 def _mlp_dequant(x, mlp: blocks.DeviceGatedMLP):
     """``blocks.gated_mlp_forward`` with every linear on the dequantize + torch GEMM path."""
     f = lambda h, lin: linear_forward(h, lin, torch.float32, path="dequant")  # noqa: E731
-    return f((F.silu(f(x, mlp.gate)) * f(x, mlp.up)).to(x.dtype), mlp.down)
+    act = reference.activation_fn(mlp.activation, mlp.gate.info.name)
+    return f((act(f(x, mlp.gate)) * f(x, mlp.up)).to(x.dtype), mlp.down)
 
 
 def _mlp_torch(g: MLPGroup, x):
     dense = g.dense(x.dtype)
+    act = reference.activation_fn(g.block.activation, g.block.gate.name)
 
     def call(c):
         gate, up, down = dense[c]
-        return (F.silu((x @ gate).float()) * (x @ up).float()).to(x.dtype) @ down
+        return (act((x @ gate).float()) * (x @ up).float()).to(x.dtype) @ down
 
     return Impl("torch fp16", call, len(dense), sum(w.numel() * w.element_size() for w in dense[0]))
 

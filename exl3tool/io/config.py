@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from exl3tool.errors import Problem, ProblemKind, UnreadableInputError
-from exl3tool.format import ModelConfig, ModelDims, QuantConfig, Routing
+from exl3tool.format import ACTIVATION_KINDS, ModelConfig, ModelDims, QuantConfig, Routing
 from exl3tool.io.reading import brief, loads_strict, read_bounded
 
 CONFIG = "config.json"
@@ -150,6 +150,13 @@ def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Rou
     return Routing("unknown", num_experts, top_k, r.bool("norm_topk_prob", False))
 
 
+def _activation(r: _Reader) -> str:
+    """The MLPs' activation (``format.ACTIVATION_KINDS``): Gemma's `hidden_activation` where set (HF reads it
+    first), else `hidden_act`, else SiLU, which every other common architecture uses."""
+    name = r.str("hidden_activation") or r.str("hidden_act") or "silu"
+    return ACTIVATION_KINDS.get(name, name)
+
+
 def routing_conflict(routing: Routing) -> str | None:
     """Why `routing` cannot pick its experts (config values that contradict each other), or None."""
     e, k, groups, keep = routing.num_experts, routing.top_k, routing.n_group, routing.topk_group
@@ -216,5 +223,6 @@ def read_config(root: Path) -> tuple[ModelConfig, list[Problem]]:
         quant=quant,
         routing=_routing(r, model_type, dims.num_experts),
         tie_word_embeddings=top.bool("tie_word_embeddings", False),
+        activation=_activation(r),
     )
     return config, problems

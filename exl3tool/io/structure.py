@@ -129,7 +129,7 @@ class _Builder:
                 "incomplete-mlp", f"{what} lacks its {', '.join(missing)} projection(s)", some.file,
                 f"{name}.{missing[0]}", module=name))
             return None
-        return GatedMLP(name, parts["gate"], parts["up"], parts["down"])
+        return GatedMLP(name, parts["gate"], parts["up"], parts["down"], self.config.activation)
 
     def moe(self, name: str, experts: dict[int, dict[str, LinearInfo]], shared: GatedMLP | None,
             shared_kind: str | None) -> MoEBlock | None:

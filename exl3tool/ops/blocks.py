@@ -1,4 +1,4 @@
-"""Whole MLP blocks built from our dense EXL3 linear kernels (routing and the SiLU gate in torch).
+"""Whole MLP blocks built from our dense EXL3 linear kernels (routing and the activation in torch).
 
 A fused MoE kernel is separate work; this composes the verified dense kernel per expert so that verify can check
 dense-MLP and MoE blocks end to end against the fp32 reference. Routing is the reference's own (it is not a
@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
-from exl3tool.errors import UnsupportedFeatureError
 from exl3tool.ops.linear import DeviceLinear, linear_forward
 from exl3tool.reference import blocks as reference_blocks
 
@@ -27,10 +25,9 @@ class DeviceGatedMLP:
 
 
 def gated_mlp_forward(x: torch.Tensor, mlp: DeviceGatedMLP) -> torch.Tensor:
-    """fp32 ``down(silu(gate(x)) * up(x))``; the intermediate is rounded to x's dtype, as a serving engine does."""
-    if mlp.activation != "silu":
-        raise UnsupportedFeatureError(f"activation {mlp.activation!r} is not supported", tensor=mlp.gate.name)
-    h = F.silu(linear_forward(x, mlp.gate, torch.float32)) * linear_forward(x, mlp.up, torch.float32)
+    """fp32 ``down(act(gate(x)) * up(x))``; the intermediate is rounded to x's dtype, as a serving engine does."""
+    act = reference_blocks.activation_fn(mlp.activation, mlp.gate.info.name)
+    h = act(linear_forward(x, mlp.gate, torch.float32)) * linear_forward(x, mlp.up, torch.float32)
     return linear_forward(h.to(x.dtype), mlp.down, torch.float32)
 
 

@@ -330,6 +330,11 @@ class DeviceMoE:
             raise UnsupportedFeatureError(f"MoE routing {r.method!r} has no fused kernel", tensor=moe.name)
         if moe.hidden % 4:
             raise UnsupportedFeatureError(f"hidden size {moe.hidden} is not a multiple of 4", tensor=moe.name)
+        mlps = (*moe.block.experts, *((moe.block.shared_experts,) if moe.block.shared_experts else ()))
+        other = {m.activation for m in mlps} - {"silu"}  # the kernels' Intermediate computes SiLU (moe_rotate.silu)
+        if other:
+            raise UnsupportedFeatureError(f"the fused MoE kernel gates with SiLU, not {', '.join(sorted(other))}",
+                                          tensor=moe.name)
         on = lambda t, dtype=None: t.to(device=device, dtype=dtype or t.dtype).contiguous()  # noqa: E731
         groups = [_group(g, on, moe.name) for g in moe.groups]
         shared = "none"

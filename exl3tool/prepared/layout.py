@@ -113,6 +113,7 @@ def config_to_json(config: ModelConfig) -> dict:
     return {
         "architecture": config.architecture, "model_type": config.model_type, "dims": asdict(config.dims),
         "quant": quant, "routing": routing_to_json(config.routing), "tie_word_embeddings": config.tie_word_embeddings,
+        "activation": config.activation,
     }
 
 
@@ -123,6 +124,7 @@ def config_from_json(data: dict) -> ModelConfig:
         architecture=data["architecture"], model_type=data["model_type"], dims=ModelDims(**data["dims"]),
         quant=QuantConfig(**quant), routing=routing_from_json(data["routing"]),
         tie_word_embeddings=bool(data["tie_word_embeddings"]),
+        activation=str(data.get("activation", "silu")),  # manifests before it was recorded: SiLU, as then assumed
     )
 
 

@@ -9,10 +9,13 @@
     reconstruct(tensors) -> fp32 (in_p, out_p)                   padded W with y = x_pad @ W
     dequantize(tensors) -> fp32 [out_features, in_features]      HF orientation, true sizes
     gated_mlp_forward / route / moe_forward                      whole dense-MLP and MoE blocks
+    ACTIVATIONS, activation_fn(kind)                             the MLPs' activations (format.ACTIVATION_KINDS)
     unpack_signs / pack_signs                                    legacy su/sv <-> +-1 vectors
 """
 
-from exl3tool.reference.blocks import GatedMLPTensors, gated_mlp_forward, moe_forward, route
+from exl3tool.reference.blocks import (
+    ACTIVATIONS, GatedMLPTensors, activation_fn, gated_mlp_forward, moe_forward, route,
+)
 from exl3tool.reference.codebooks import decode_states, fp16_from_bits
 from exl3tool.reference.hadamard import hadamard128, rotate_input, rotate_output
 from exl3tool.reference.linear import decode_w_hat, dequantize, linear_forward, reconstruct
@@ -20,7 +23,8 @@ from exl3tool.reference.signs import pack_signs, unpack_signs
 from exl3tool.reference.trellis import decode_tiles, decode_trellis, tile_position, window_ends
 
 __all__ = [
-    "GatedMLPTensors", "decode_states", "decode_tiles", "decode_trellis", "decode_w_hat", "dequantize",
-    "fp16_from_bits", "gated_mlp_forward", "hadamard128", "linear_forward", "moe_forward", "pack_signs",
-    "reconstruct", "rotate_input", "rotate_output", "route", "tile_position", "unpack_signs", "window_ends",
+    "ACTIVATIONS", "GatedMLPTensors", "activation_fn", "decode_states", "decode_tiles", "decode_trellis",
+    "decode_w_hat", "dequantize", "fp16_from_bits", "gated_mlp_forward", "hadamard128", "linear_forward",
+    "moe_forward", "pack_signs", "reconstruct", "rotate_input", "rotate_output", "route", "tile_position",
+    "unpack_signs", "window_ends",
 ]

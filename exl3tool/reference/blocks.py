@@ -1,18 +1,31 @@
-"""Whole blocks in fp32: the SiLU-gated MLP (dense, one expert, shared experts) and the routed MoE block."""
+"""Whole blocks in fp32: the gated MLP (dense, one expert, shared experts) and the routed MoE block."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from exl3tool.errors import UnsupportedFeatureError
-from exl3tool.format import LinearTensors, Routing
+from exl3tool.format import ACTIVATION_KINDS, LinearTensors, Routing
 from exl3tool.reference.linear import linear_forward
 
-_ACTIVATIONS = {"silu": F.silu}
+# The gated MLPs' act(gate(x)) for each of format.ACTIVATION_KINDS' kinds
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def activation_fn(kind: str, tensor: str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ACTIVATIONS[kind]``, or UnsupportedFeatureError naming ``tensor`` (the MLP's gate)."""
+    act = ACTIVATIONS.get(kind)
+    if act is None:
+        raise UnsupportedFeatureError(f"MLP activation {kind!r} is not supported (known: "
+                                      f"{', '.join(ACTIVATION_KINDS)})", tensor=tensor)
+    return act
 
 
 @dataclass
@@ -25,9 +38,7 @@ class GatedMLPTensors:
 
 def gated_mlp_forward(x: torch.Tensor, mlp: GatedMLPTensors) -> torch.Tensor:
     """fp32 down(act(gate(x)) * up(x)) for x [M, hidden]."""
-    act = _ACTIVATIONS.get(mlp.activation)
-    if act is None:
-        raise UnsupportedFeatureError(f"activation {mlp.activation!r} is not supported", tensor=mlp.gate.info.name)
+    act = activation_fn(mlp.activation, mlp.gate.info.name)
     return linear_forward(act(linear_forward(x, mlp.gate)) * linear_forward(x, mlp.up), mlp.down)
 
 

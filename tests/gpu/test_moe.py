@@ -183,6 +183,27 @@ def test_bf16_activations(synthetic):
     run_layer(synthetic("k3.5-mul1-shared-gated"), 0, [1, 5, 64], dtype=torch.bfloat16)
 
 
+def test_gelu_experts_run_per_expert_not_fused(tmp_path):
+    """A MoE block whose config gates with GELU (tanh form): the fused kernel, which computes SiLU, refuses it; the
+    dense kernels per expert (verify's --moe-path per-expert) compute it, against the reference."""
+    from exl3tool.errors import UnsupportedFeatureError
+    from exl3tool.ops import blocks
+    from exl3tool.ops.linear import DeviceLinear
+
+    path = write_checkpoint(tmp_path / "gelu", arch="qwen3_moe", num_layers=1, hidden=256, moe_intermediate=128,
+                            num_experts=8, top_k=2, embeddings=False, hidden_act="gelu_pytorch_tanh")
+    with exl3tool.open_checkpoint(path) as reader:
+        moe = reader.moe(0, device="cuda")
+        with pytest.raises(UnsupportedFeatureError, match="gelu_tanh"):
+            DeviceMoE.from_layer(moe)
+        block = reader.block("model.layers.0.mlp")
+        mlps = [blocks.DeviceGatedMLP(*(DeviceLinear.from_tensors(reader.load_linear(lin.name), "cuda")
+                                        for lin in e.linears), e.activation) for e in block.experts]
+        x = (torch.randn(5, 256, device="cuda") * 0.1).half()
+        y = blocks.moe_forward(x, reader.load_tensor(block.router.name, "cuda"), block.routing, lambda e: mlps[e])
+        assert rel(y, reader.reference_forward("model.layers.0.mlp", x.float())) < MAX_REL
+
+
 @pytest.mark.parametrize("m", [300, 1100])
 def test_skewed_routing_empty_experts_and_one_expert_for_all(synthetic, m):
     """M=1100 (a mean of 275 routes an expert) packs 256-row route blocks where the GPU has warpgroup MMAs: all
