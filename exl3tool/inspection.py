@@ -115,6 +115,7 @@ class InspectReport:
     experts_per_layer: int
     top_k: int | None
     routing: str | None
+    activation: str | None  # the gated MLPs' (format.ACTIVATION_KINDS); None without any MLP block
     exl3_linears: int
     codebooks: dict[str, int]
     histogram: tuple[BitsBin, ...]
@@ -155,7 +156,7 @@ class InspectReport:
                 "files": self.files, "tensors": self.tensors, "file_bytes": self.file_bytes,
                 "exl3_bytes": self.exl3_bytes, "layers": self.num_layers, "moe_layers": self.moe_layers,
                 "experts_per_layer": self.experts_per_layer, "top_k": self.top_k, "routing": self.routing,
-                "exl3_linears": self.exl3_linears, "codebooks": dict(self.codebooks),
+                "activation": self.activation, "exl3_linears": self.exl3_linears, "codebooks": dict(self.codebooks),
                 "mean_bits": self.mean_bits, "effective_bits": self.effective_bits,
             },
             "bits_histogram": [row(b) for b in self.histogram],
@@ -280,6 +281,7 @@ def build_report(model: CheckpointModel, problems: list[Problem], source: str, p
         experts_per_layer=max((len(b.experts) for b in moe), default=0),
         top_k=routing.top_k if routing and moe else None,
         routing=routing.method if routing and moe else None,
+        activation=model.config.activation if any(lay.mlp for lay in model.layers) else None,
         exl3_linears=len(model.linears),
         codebooks=dict(sorted(Counter(lin.codebook.value for lin in model.linears.values()).items())),
         histogram=_histogram(body),

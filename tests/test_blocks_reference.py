@@ -120,6 +120,7 @@ def test_mlp_activation_from_the_config(tmp_path, arch, keys, kind):
             want = ckpt.reference_forward(m.down.name, act(gate).float() * up.float()).double()
             got = ckpt.reference_forward(m.name, x).double()
             assert ((got - want).norm() / want.norm()).item() < 1e-6, m.name
+    assert exl3tool.inspect_checkpoint(str(path)).to_json()["summary"]["activation"] == kind
 
 
 def test_unknown_mlp_activation_is_refused_for_blocks_only(tmp_path):

@@ -28,6 +28,8 @@ def _summary(report: InspectReport) -> Table:
         layers += (f" ({report.moe_layers} MoE, {report.experts_per_layer} experts, top-{report.top_k}, "
                    f"{report.routing})")
     table.add_row("layers", safe(layers))
+    if report.activation is not None:
+        table.add_row("MLP activation", safe(report.activation))
     codebooks = ", ".join(f"{name} {count}" for name, count in report.codebooks.items()) or "-"
     table.add_row("EXL3 linears", safe(f"{report.exl3_linears} ({codebooks})"))
     table.add_row("bits per weight", safe(
