@@ -53,6 +53,17 @@ from .trellis import X_ORDERS, TrellisPlan
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
 WGMMA_SMEM_LIMIT_BYTES = 227 * 1024  # the warpgroup-MMA GEMM runs on sm_90a only: its per-CTA limit
 MMAS = ("sync", "wgmma")
+
+
+class SharedMemoryError(ValueError):
+    """A kernel config whose shared memory exceeds its per-CTA limit (planners try the next config on it)."""
+
+
+def check_smem(config, smem_bytes: int, mma: str) -> None:
+    """Raise SharedMemoryError where ``config`` needs more shared memory than its MMA kind's per-CTA limit."""
+    limit = WGMMA_SMEM_LIMIT_BYTES if mma == "wgmma" else SMEM_LIMIT_BYTES
+    if smem_bytes > limit:
+        raise SharedMemoryError(f"{config} needs {smem_bytes} bytes of shared memory (limit {limit})")
 # fp32 words per token row of the output tile the warpgroup-MMA GEMM's fused epilogue stages in shared memory: 128
 # columns + 4, so that the MMA layout's stores (lanes: 8 columns x 4 token pairs) hit 32 distinct banks.
 TILE_PITCH = 132
@@ -158,9 +169,7 @@ class GemmConfig:
             raise ValueError("whole_k: the X stages must hold the CTA's output tile")
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
-        limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
-        if self.smem_bytes > limit:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {limit})")
+        check_smem(self, self.smem_bytes, self.mma)
 
     def _check_wgmma(self):
         if self.token_groups not in (1, 2, 4, 8, 16, 32, 40):
@@ -251,9 +260,8 @@ def fitting_config(config_type=GemmConfig, **fields):
     for n in range(stages, 1, -1):
         try:
             return config_type(stages=n, **fields)
-        except ValueError as err:
-            if "shared memory" not in str(err):
-                raise
+        except SharedMemoryError:
+            pass
     return config_type(stages=2, **fields)
 
 

@@ -59,7 +59,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES, GemmConfig
+from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 from .moe_rotate import TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
@@ -166,11 +166,9 @@ class MoEGemmConfig:
             raise ValueError("group_loops: ascending token-group counts up to token_groups, for mma.sync with private "
                              "decode over more than one token group")
         self.mainloop  # validates the rest, including the shared-memory limit
-        limit = WGMMA_SMEM_LIMIT_BYTES if self.mma == "wgmma" else SMEM_LIMIT_BYTES
         if self.skip_padding_tail and (self.mma != "wgmma" or self.token_groups <= WGMMA_MAX_GROUPS or self.input):
             raise ValueError("skip_padding_tail takes warpgroup MMAs over more than 256 packed rows")
-        if self.smem_bytes > limit:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory (limit {limit})")
+        check_smem(self, self.smem_bytes, self.mma)
 
     @cached_property
     def mainloop(self) -> GemmConfig:

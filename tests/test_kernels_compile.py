@@ -10,7 +10,7 @@ import pytest
 from exl3tool.format import HALF_RATE_WORDS, Codebook
 from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.fold import FoldConfig
-from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, fitting_config
+from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, GemmConfig, SharedMemoryError, fitting_config
 from exl3tool.kernels.rotate import InputRotationConfig, OutputRotationConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import launch
@@ -116,7 +116,7 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         GemmConfig(bits=4.5, codebook="mcg")
     with pytest.raises(ValueError):
         GemmConfig(bits=4.0, codebook="mcg", token_groups=3)
-    with pytest.raises(ValueError, match="shared memory"):
+    with pytest.raises(SharedMemoryError, match="shared memory"):
         GemmConfig(bits=8.0, codebook="mcg", token_groups=8, k_tiles_per_stage=8, stages=6)
     with pytest.raises(ValueError, match="16 with shared decode"):
         GemmConfig(bits=4.0, codebook="mcg", token_groups=16)  # 64 accumulators + 64 B registers per lane
@@ -129,7 +129,7 @@ def test_configs_refuse_what_the_kernel_cannot_do():
     for half in (dict(output="float16"), dict(input="float16", resident_k_tiles=8)):  # needs both ends fused
         with pytest.raises(ValueError, match="spread_sum"):
             GemmConfig(bits=4.0, codebook="mcg", spread_sum=True, **half)
-    with pytest.raises(ValueError, match="shared memory"):  # the decoded stage counts too
+    with pytest.raises(SharedMemoryError, match="shared memory"):  # the decoded stage counts too
         GemmConfig(bits=4.0, codebook="mcg", token_groups=16, warps=8, warp_cols=4, k_tiles_per_stage=8)
     # warpgroup MMA: whole warpgroups, whole 128-byte swizzle atoms per stage, a stage in flight, row-order X
     with pytest.raises(ValueError, match="mma must be"):
@@ -139,7 +139,7 @@ def test_configs_refuse_what_the_kernel_cannot_do():
         with pytest.raises(ValueError, match="wgmma"):
             GemmConfig(**dict(dict(bits=4.0, codebook="mcg", token_groups=8, k_tiles_per_stage=4, stages=4,
                                    mma="wgmma"), **bad))
-    with pytest.raises(ValueError, match="shared memory"):  # sm_90a's 227 KB per CTA
+    with pytest.raises(SharedMemoryError, match="shared memory"):  # sm_90a's 227 KB per CTA
         GemmConfig(bits=8.0, codebook="mcg", token_groups=32, warps=8, k_tiles_per_stage=8, stages=4, mma="wgmma")
 
 

@@ -32,7 +32,7 @@ import torch
 
 from exl3tool.errors import UnsupportedFeatureError
 from exl3tool.format import Codebook
-from exl3tool.kernels.gemm import fitting_config
+from exl3tool.kernels.gemm import SharedMemoryError, fitting_config
 from exl3tool.kernels.mainloop import WGMMA_MAX_GROUPS
 from exl3tool.kernels.moe_gemm import MoEGemmConfig, fuses_intermediate
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
@@ -506,9 +506,7 @@ def resident_config(g13: MoEGemmConfig, x_dtype: str, per13: int, tokens: int) -
     K split of ``per13`` k-tiles resident in shared memory, or None where they do not fit beside its weight stages."""
     try:
         return replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
-    except ValueError as err:
-        if "shared memory" not in str(err):
-            raise
+    except SharedMemoryError:
         return None
 
 
