@@ -20,7 +20,8 @@ DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
+WIDE_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # the floats torch computes with as they are
+FLOAT_DTYPES = WIDE_FLOAT_DTYPES | {"F8_E4M3", "F8_E5M2"}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 

@@ -18,9 +18,10 @@ from exl3tool.format import (
     Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
 from exl3tool.io.config import CONFIG, DENSE_MODEL_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, routing_conflict
+from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
 
 # The router, the shared expert's gate and the correction bias: float types the reference and the kernels load
-ROUTER_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+ROUTER_DTYPES = WIDE_FLOAT_DTYPES
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention)\.(?P<proj>[^.]+)$")
 _EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
