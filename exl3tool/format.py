@@ -232,6 +232,11 @@ class Attention:
     def linears(self) -> tuple[LinearInfo, ...]:
         return tuple(self.projections.values())
 
+    @property
+    def kind(self) -> str:
+        """"linear" for a gated delta-net (`linear_attn`: Qwen3-Next, Qwen3.5), else "full"."""
+        return "linear" if self.name.rsplit(".", 1)[-1] == "linear_attn" else "full"
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -283,6 +288,11 @@ class ModelDims:
     extra_layers: int = 0  # e.g. DeepSeek-V3's multi-token-prediction layers stored after the last one
     num_experts: int | None = None
     num_shared_experts: int | None = None
+    # Gated delta-net (linear attention) heads: Qwen3-Next, Qwen3.5
+    linear_key_heads: int | None = None
+    linear_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class BitsBin:
 class LayerRow:
     index: int
     attention: tuple[str, ...]  # projection names
+    attention_kind: str | None  # "full" | "linear" (format.Attention.kind) | None
     mlp: str | None  # "dense" | "moe" | None
     experts: int
     shared_experts: bool
@@ -202,6 +203,7 @@ def _layer_row(layer: Layer) -> LayerRow:
     return LayerRow(
         index=layer.index,
         attention=tuple(layer.attention.projections) if layer.attention else (),
+        attention_kind=layer.attention.kind if layer.attention else None,
         mlp="moe" if isinstance(mlp, MoEBlock) else "dense" if isinstance(mlp, GatedMLP) else None,
         experts=len(mlp.experts) if isinstance(mlp, MoEBlock) else 0,
         shared_experts=isinstance(mlp, MoEBlock) and mlp.shared_experts is not None,

@@ -30,7 +30,7 @@ from exl3tool.checkpoint import TORCH_DTYPES
 from exl3tool.format import (
     MCG_MARKER, MUL1_MARKER, TILE, Codebook, LinearInfo, LinearTensors, padded, words_from_bits,
 )
-from exl3tool.io.config import GATED_SHARED_EXPERT_TYPES
+from exl3tool.io.config import GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES
 from exl3tool.reference.signs import pack_signs
 
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # torch dtype -> safetensors name
@@ -248,7 +248,7 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
         if spec.arch == "qwen3_next" and _qwen3_next_layer(spec, i) == "linear_attention":
             _linear_attention(w, f"{p}.linear_attn", spec)
         else:
-            gated = 2 if spec.arch == "qwen3_next" else 1  # Qwen3-Next's q_proj also gives the output gate
+            gated = 2 if spec.arch in GATED_QUERY_TYPES else 1  # q_proj also gives the attention output's gate
             for proj, fan_in, fan_out in (("q_proj", h, gated * q), ("k_proj", h, kv), ("v_proj", h, kv),
                                           ("o_proj", q, h)):
                 w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=spec.attention_bias and proj != "o_proj")

@@ -245,6 +245,25 @@ def test_padded_size_disagrees_with_config(dense):
     assert "intermediate_size = 520" in p["message"]
 
 
+@pytest.mark.parametrize("key, value, tensor, said", [
+    ("linear_num_value_heads", 8, "model.layers.0.linear_attn.in_proj_qkvz.trellis",  # 2*64 + 2*256 pads to 640
+     "2 * linear_num_key_heads * linear_key_head_dim + 2 * linear_num_value_heads * linear_value_head_dim = 640"),
+    ("linear_value_head_dim", 64, "model.layers.0.linear_attn.in_proj_qkvz.trellis",
+     "= 640 pads to 640"),
+    ("num_attention_heads", 4, "model.layers.1.self_attn.q_proj.trellis",  # gated: 2 * 4 * 64 rows, not 2 * 2 * 64
+     "2 * num_attention_heads * head_dim = 512"),
+])
+def test_qwen3_next_attention_sizes_disagree_with_config(tmp_path, key, value, tensor, said):
+    """Qwen3-Next's gated delta-net projections and its gated q_proj are sized from config.json like the rest."""
+    path = write_checkpoint(tmp_path / "next", ModelSpec(arch="qwen3_next", num_layers=2, hidden=256, num_heads=2,
+                                                         num_kv_heads=1, head_dim=64, moe_intermediate=128,
+                                                         num_experts=4, top_k=2, full_attention_interval=2))
+    assert inspect(path)[0] == 0
+    edit_config(path, **{key: value})
+    p = assert_problem(path, "config-dims", FILE, tensor)
+    assert said in p["message"]
+
+
 def test_missing_layer(dense):
     edit_config(dense, num_hidden_layers=2)
     assert_problem(dense, "missing-layer", "config.json", "model.layers.1")

@@ -10,6 +10,7 @@ import torch
 import exl3tool
 from exl3tool.format import Codebook, MoEBlock
 from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint, write_moe_layer
+from helpers import run_cli
 
 
 @pytest.mark.parametrize("arch, block, experts_names", [
@@ -42,10 +43,16 @@ def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
             expected = spec.intermediate if block == "block_sparse_moe" else spec.moe_intermediate
             assert (expert.gate.in_features, expert.gate.out_features) == (384, expected)
         if arch == "qwen3_next":  # the gated q_proj; layer 0's linear attention: its two quantized projections
-            assert layer.attention.projections["q_proj"].out_padded == 2 * 256
-            assert ckpt.layer(0).attention is None and layer.mlp.routing.normalize
-            names = {lin.name for lin in ckpt.layer(0).linears}
-            assert {"model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.out_proj"} <= names
+            q = layer.attention.projections["q_proj"]
+            assert (q.out_features, q.out_padded, q.dims_from_config) == (2 * 256, 2 * 256, True)
+            assert layer.attention.kind == "full" and layer.mlp.routing.normalize
+            linear = ckpt.layer(0).attention
+            assert linear.name == "model.layers.0.linear_attn" and linear.kind == "linear"
+            keys, values = 2 * 32, 4 * 32  # ModelSpec.linear_heads: 2 key heads, 4 value heads of 32
+            qkvz, out = linear.projections["in_proj_qkvz"], linear.projections["out_proj"]
+            assert (qkvz.in_features, qkvz.out_features, qkvz.out_padded) == (384, 2 * keys + 2 * values, 384)
+            assert (out.in_features, out.in_padded, out.out_features) == (values, 128, 384)
+            assert qkvz.dims_from_config and out.dims_from_config
 
 
 def test_random_linear_layout():
@@ -84,3 +91,17 @@ def test_moe_layer_checkpoint_has_the_asked_shape(tmp_path, hidden, head_dim):
         assert isinstance(block, MoEBlock) and len(block.experts) == 6 and block.routing.top_k == 2
         gate = block.experts[0].gate
         assert (gate.in_features, gate.out_features, gate.bits, gate.codebook) == (hidden, 128, 3.0, Codebook.INST3)
+
+
+def test_inspect_names_linear_attention_layers(tmp_path):
+    """Qwen3-Next: inspect's layer table shows the gated delta-net layers as linear attention, JSON too, and every
+    projection's true size comes from config.json (no padded-size note)."""
+    path = write_checkpoint(tmp_path / "next", ModelSpec(arch="qwen3_next", num_layers=2, num_experts=4, top_k=2,
+                                                         full_attention_interval=2))
+    report = run_cli("inspect", str(path), "--format", "json").json()
+    assert report["sound"] and report["notes"] == []
+    assert [(r["attention_kind"], r["attention"]) for r in report["layers"]] == [
+        ("linear", ["in_proj_qkvz", "out_proj"]), ("full", ["q_proj", "k_proj", "v_proj", "o_proj"])]
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in run_cli("inspect", str(path)).stdout.splitlines() if line.count("│") > 3}
+    assert rows["0"] == "linear qkvz,out" and rows["1"] == "q,k,v,o"

@@ -35,6 +35,8 @@ _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qw
 _SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2"}
 # Model types whose shared expert (`mlp.shared_expert`) is scaled by sigmoid(x @ shared_expert_gate.T)
 GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
+# Model types whose full-attention q_proj also gives the attention output's gate (twice heads * head_dim rows)
+GATED_QUERY_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 # Architectures without experts: a checkpoint of one of these that stores experts contradicts its config.
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
                                "phi3", "olmo", "olmo2", "cohere"})
@@ -130,6 +132,10 @@ def _dims(r: _Reader) -> ModelDims:
         extra_layers=r.int("num_nextn_predict_layers", minimum=0, maximum=MAX_LAYERS) or 0,
         num_experts=r.int("num_experts", "num_local_experts", "n_routed_experts", maximum=MAX_EXPERTS),
         num_shared_experts=r.int("n_shared_experts", maximum=MAX_EXPERTS),
+        linear_key_heads=r.int("linear_num_key_heads"),
+        linear_value_heads=r.int("linear_num_value_heads"),
+        linear_key_head_dim=r.int("linear_key_head_dim"),
+        linear_value_head_dim=r.int("linear_value_head_dim"),
     )
 
 

@@ -17,23 +17,27 @@ from exl3tool.errors import Problem
 from exl3tool.format import (
     Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
-from exl3tool.io.config import CONFIG, DENSE_MODEL_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, routing_conflict
+from exl3tool.io.config import (
+    CONFIG, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, routing_conflict,
+)
 from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
 
 # The router, the shared expert's gate and the correction bias: float types the reference and the kernels load
 ROUTER_DTYPES = WIDE_FLOAT_DTYPES
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
-_ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention)\.(?P<proj>[^.]+)$")
+_ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention|linear_attn)\.(?P<proj>[^.]+)$")
 _EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 _SHARED = re.compile(r"^(?P<block>mlp)\.(?P<shared>shared_experts?)\.(?P<proj>[^.]+)$")
 _DENSE = re.compile(r"^(?P<block>mlp)\.(?P<proj>[^.]+)$")
 ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 HEAD = "lm_head"
-_ATTENTION_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3}
+_ATTENTION_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3,
+                    "in_proj_qkvz": 0, "in_proj_qkv": 0, "in_proj_z": 1, "out_proj": 3}
 # Architectures whose q/k/v/o_proj sizes follow heads * head_dim; others (e.g. MLA) are not checked.
 STANDARD_ATTENTION = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gemma",
-    "gemma2", "gemma3_text", "granite", "granitemoe",
+    "gemma2", "gemma3_text", "granite", "granitemoe", "qwen3_vl_moe", "qwen3_vl_moe_text", "minimax_m2", "dots1",
+    *GATED_QUERY_TYPES,
 })
 
 Dim = tuple[str, int | None]  # (config key that gives it, value)
@@ -98,14 +102,36 @@ class _Builder:
         hidden, mid = ("hidden_size", self.dims.hidden), (key, intermediate)
         return (mid, hidden) if role == "down" else (hidden, mid)
 
-    def attention_dims(self, proj: str) -> tuple[Dim, Dim] | None:
-        d = self.dims
-        if self.config.model_type not in STANDARD_ATTENTION or d.head_dim is None:
+    def attention_dims(self, module: str, proj: str) -> tuple[Dim, Dim] | None:
+        if module == "linear_attn":
+            return self.linear_attention_dims(proj)
+        d, model_type = self.dims, self.config.model_type
+        if model_type not in STANDARD_ATTENTION or d.head_dim is None:
             return None
         hidden = ("hidden_size", d.hidden)
         q = ("num_attention_heads * head_dim", d.num_heads * d.head_dim if d.num_heads else None)
         kv = ("num_key_value_heads * head_dim", d.num_kv_heads * d.head_dim if d.num_kv_heads else None)
-        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}.get(proj)
+        q_rows = q
+        if model_type in GATED_QUERY_TYPES:  # the output gate's rows follow the queries'
+            q_rows = ("2 * num_attention_heads * head_dim", 2 * q[1] if q[1] else None)
+        return {"q_proj": (hidden, q_rows), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                "o_proj": (q, hidden)}.get(proj)
+
+    def linear_attention_dims(self, proj: str) -> tuple[Dim, Dim] | None:
+        """A gated delta-net's projections: q and k of the key heads, v and the output gate z of the value heads,
+        fused as ExLlamaV3 stores them (Qwen3-Next: in_proj_qkvz; Qwen3.5: in_proj_qkv and in_proj_z)."""
+        d = self.dims
+        keys = d.linear_key_heads * d.linear_key_head_dim if d.linear_key_heads and d.linear_key_head_dim else None
+        values = (d.linear_value_heads * d.linear_value_head_dim
+                  if d.linear_value_heads and d.linear_value_head_dim else None)
+        hidden = ("hidden_size", d.hidden)
+        k_key, v_key = "linear_num_key_heads * linear_key_head_dim", "linear_num_value_heads * linear_value_head_dim"
+        v = (v_key, values)
+        both = keys is not None and values is not None
+        qkv = (f"2 * {k_key} + {v_key}", 2 * keys + values if both else None)
+        qkvz = (f"2 * {k_key} + 2 * {v_key}", 2 * keys + 2 * values if both else None)
+        return {"in_proj_qkvz": (hidden, qkvz), "in_proj_qkv": (hidden, qkv), "in_proj_z": (hidden, v),
+                "out_proj": (v, hidden)}.get(proj)
 
     def expert_intermediate(self) -> tuple[str, int | None]:
         if self.dims.moe_intermediate is not None:
@@ -219,7 +245,7 @@ class _Builder:
         other = list(parts.other)
         for module, projs in parts.attention.items():
             ordered = sorted(projs.items(), key=lambda kv: (_ATTENTION_ORDER.get(kv[0], 4), kv[0]))
-            fixed = {p: self.true_dims(lin, self.attention_dims(p)) for p, lin in ordered}
+            fixed = {p: self.true_dims(lin, self.attention_dims(module, p)) for p, lin in ordered}
             if attention is None:
                 attention = Attention(f"{prefix}.{module}", fixed)
             else:
