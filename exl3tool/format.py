@@ -159,9 +159,10 @@ class LinearTensors:
 
 # HF's names of the gated MLPs' activation (transformers' ACT2FN) -> what they compute, the names blocks carry:
 # SiLU (Llama, Qwen, Mixtral, DeepSeek, ...) and GELU, exact or in its tanh form (Gemma 2 / 3 gelu_pytorch_tanh;
-# gelu_new is the same formula). Any other name is kept as read, and whole blocks with it are refused.
+# gelu_new is the same formula); gpt-oss's clamped SwiGLU, which its model type implies (io.config). Any other name
+# is kept as read, and whole blocks with it are refused.
 ACTIVATION_KINDS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                    "gelu_new": "gelu_tanh"}
+                    "gelu_new": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class GatedMLP:
     up: LinearInfo
     down: LinearInfo
     activation: str = "silu"
+    activation_limit: float | None = None  # swiglu_oai's clamp of gate and up (gpt-oss: swiglu_limit)
 
     @property
     def linears(self) -> tuple[LinearInfo, ...]:
@@ -209,6 +211,7 @@ class MoEBlock:
     shared_experts: GatedMLP | None = None
     shared_expert_gate: TensorInfo | None = None  # (1, hidden): sigmoid(x @ g.T) scales the shared output
     correction_bias: TensorInfo | None = None  # (num_experts,): DeepSeek-V3 e_score_correction_bias
+    router_bias: TensorInfo | None = None  # (num_experts,): added to the router's logits (gpt-oss)
 
     @property
     def linears(self) -> tuple[LinearInfo, ...]:
@@ -315,6 +318,7 @@ class ModelConfig:
     routing: Routing | None  # None for dense models
     tie_word_embeddings: bool = False
     activation: str = "silu"  # the gated MLPs' act(gate(x)) * up(x): ACTIVATION_KINDS' kind, or an unknown name
+    activation_limit: float | None = None  # GatedMLP.activation_limit
 
 
 # --- the whole checkpoint --------------------------------------------------------------------------------

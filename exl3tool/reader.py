@@ -75,6 +75,7 @@ class MoELayer:
     shared: reference.GatedMLPTensors | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]: sigmoid(x @ g.T) scales the shared output
     correction_bias: torch.Tensor | None = None  # [E]: DeepSeek-V3 e_score_correction_bias
+    router_bias: torch.Tensor | None = None  # [E]: on the router's logits (gpt-oss)
 
     @property
     def single_group(self) -> ExpertGroup:
@@ -181,7 +182,7 @@ class CheckpointReader:
 
     def mlp_tensors(self, mlp: GatedMLP, device=None) -> reference.GatedMLPTensors:
         gate, up, down = (self.load_linear(lin.name, device) for lin in mlp.linears)
-        return reference.GatedMLPTensors(gate, up, down, mlp.activation)
+        return reference.GatedMLPTensors(gate, up, down, mlp.activation, mlp.activation_limit)
 
     def _optional(self, info, device) -> torch.Tensor | None:
         return None if info is None else self.load_tensor(info.name, device)
@@ -205,7 +206,8 @@ class CheckpointReader:
             block.name, layer_index, block, block.routing, len(block.experts), first.hidden, first.hidden_padded,
             first.intermediate, first.intermediate_padded, self.load_tensor(block.router.name, device),
             tuple(groups), None if block.shared_experts is None else self.mlp_tensors(block.shared_experts, device),
-            self._optional(block.shared_expert_gate, device), self._optional(block.correction_bias, device))
+            self._optional(block.shared_expert_gate, device), self._optional(block.correction_bias, device),
+            self._optional(block.router_bias, device))
 
     # --- reference ---------------------------------------------------------------------------------------
 
@@ -227,7 +229,8 @@ def reference_forward(reader: CheckpointReader, name: str, x: torch.Tensor, devi
     x = x.to(device)
 
     def mlp(block: GatedMLP) -> reference.GatedMLPTensors:
-        return reference.GatedMLPTensors(*(load(lin.name, device) for lin in block.linears), block.activation)
+        return reference.GatedMLPTensors(*(load(lin.name, device) for lin in block.linears), block.activation,
+                                         block.activation_limit)
 
     if name in reader.linears:
         check_input(x, reader.linears[name].in_features, name)
@@ -242,7 +245,8 @@ def reference_forward(reader: CheckpointReader, name: str, x: torch.Tensor, devi
         x, router, block.routing, lambda e: mlp(block.experts[e]),
         shared=None if block.shared_experts is None else mlp(block.shared_experts),
         shared_gate=reader._optional(block.shared_expert_gate, device),
-        correction_bias=reader._optional(block.correction_bias, device))
+        correction_bias=reader._optional(block.correction_bias, device),
+        router_bias=reader._optional(block.router_bias, device))
 
 
 def stack_group(load_linear, block: MoEBlock, ids: list[int], device) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ Architectures: "llama" (dense), "qwen3_moe", "qwen2_moe" (shared expert + sigmoi
 MoE block, renormalised; linear-attention layers, ExLlamaV3's names: in_proj_qkvz and out_proj quantized, in_proj_ba
 not, with a gated full-attention layer every `full_attention_interval`), "mixtral" (block_sparse_moe, w1/w3/w2),
 "minimax_m2" (Mixtral's names, sigmoid routing with a correction bias, experts `intermediate` wide), "deepseek_v3"
-(shared experts, sigmoid group-limited routing). Everything is deterministic in `seed`.
+(shared experts, sigmoid group-limited routing), "gpt_oss" (a router with a bias, experts `intermediate` wide with
+biases and the clamped SwiGLU, attention with biases and sinks). Everything is deterministic in `seed`.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor | tupl
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM", "mixtral": "MixtralForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
 }
 BLOCK_SPARSE_MOE = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.N.w1 / w3 / w2, `intermediate` wide
 GATED_SHARED_EXPERT = tuple(a for a in ARCHITECTURES if a in GATED_SHARED_EXPERT_TYPES)  # mlp.shared_expert
@@ -189,8 +190,10 @@ def _config(spec: ModelSpec) -> dict:
                        linear_num_value_heads=value_heads, linear_key_head_dim=head_dim,
                        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
                        layer_types=[_qwen3_next_layer(spec, i) for i in range(spec.num_layers)])
-    elif spec.arch in BLOCK_SPARSE_MOE:
+    elif spec.arch in BLOCK_SPARSE_MOE or spec.arch == "gpt_oss":
         cfg.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k)
+        if spec.arch == "gpt_oss":
+            cfg.update(swiglu_limit=7.0, attention_bias=True)
         if spec.arch == "minimax_m2":
             cfg.update(scoring_func="sigmoid", use_routing_bias=True)
     elif spec.arch == "deepseek_v3":
@@ -229,11 +232,12 @@ class _Writer:
         g = torch.Generator().manual_seed(self.seed)
         self.modules.append({name: (torch.randn(shape, generator=g) * scale).to(dtype)})
 
-    def mlp(self, prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> None:
+    def mlp(self, prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj"),
+            bias: bool = False) -> None:
         gate, up, down = names
-        self.linear(f"{prefix}.{gate}", hidden, inter)
-        self.linear(f"{prefix}.{up}", hidden, inter)
-        self.linear(f"{prefix}.{down}", inter, hidden)
+        self.linear(f"{prefix}.{gate}", hidden, inter, bias=bias)
+        self.linear(f"{prefix}.{up}", hidden, inter, bias=bias)
+        self.linear(f"{prefix}.{down}", inter, hidden, bias=bias)
 
 
 def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
@@ -251,15 +255,24 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
             gated = 2 if spec.arch in GATED_QUERY_TYPES else 1  # q_proj also gives the attention output's gate
             for proj, fan_in, fan_out in (("q_proj", h, gated * q), ("k_proj", h, kv), ("v_proj", h, kv),
                                           ("o_proj", q, h)):
-                w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=spec.attention_bias and proj != "o_proj")
+                bias = spec.arch == "gpt_oss" or (spec.attention_bias and proj != "o_proj")
+                w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=bias)
+            if spec.arch == "gpt_oss":
+                w.plain(f"{p}.self_attn.sinks", (spec.num_heads,), scale=1.0)
         w.plain(f"{p}.post_attention_layernorm.weight", (h,), scale=1.0)
         if not spec.moe or i in spec.dense_layers:
             w.mlp(f"{p}.mlp", h, spec.intermediate)
             continue
         block = f"{p}.block_sparse_moe" if spec.arch in BLOCK_SPARSE_MOE else f"{p}.mlp"
-        w.plain(f"{block}.gate.weight", (spec.num_experts, h), torch.float16, scale=0.5)
+        if spec.arch == "gpt_oss":  # HF's GptOssTopKRouter: bf16 weight and bias
+            w.plain(f"{block}.router.weight", (spec.num_experts, h), scale=0.5)
+            w.plain(f"{block}.router.bias", (spec.num_experts,), scale=0.5)
+        else:
+            w.plain(f"{block}.gate.weight", (spec.num_experts, h), torch.float16, scale=0.5)
         for e in range(spec.num_experts):
-            if spec.arch in BLOCK_SPARSE_MOE:
+            if spec.arch == "gpt_oss":
+                w.mlp(f"{block}.experts.{e}", h, spec.intermediate, bias=True)
+            elif spec.arch in BLOCK_SPARSE_MOE:
                 w.mlp(f"{block}.experts.{e}", h, spec.intermediate, ("w1", "w3", "w2"))
             else:
                 w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate)

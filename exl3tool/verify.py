@@ -250,7 +250,7 @@ def verify(
 
         def gated(mlp: GatedMLP) -> kernel_blocks.DeviceGatedMLP:
             return kernel_blocks.DeviceGatedMLP(lin(mlp.gate.name), lin(mlp.up.name), lin(mlp.down.name),
-                                                mlp.activation)
+                                                mlp.activation, mlp.activation_limit)
 
         def record(name, kind, layer, x, source, width_out, kernel_out, info: LinearInfo | None, path=None):
             ref = reference_forward(model, name, x, gpu, load_linear=load)
@@ -294,6 +294,7 @@ def verify(
                         shared=None if block.shared_experts is None else gated(block.shared_experts),
                         shared_gate=optional(block.shared_expert_gate),
                         correction_bias=optional(block.correction_bias),
+                        router_bias=optional(block.router_bias),
                     )
                 record(block.name, "moe", index, x, source, width, out, None, path=moe_path)
             device_linears.clear()

@@ -9,7 +9,7 @@ import torch
 import exl3tool
 from exl3tool.errors import UnsupportedFeatureError, UsageError
 from exl3tool.format import MoEBlock
-from exl3tool.synthetic import ModelSpec, write_checkpoint
+from exl3tool.synthetic import ModelSpec, edit_checkpoint, write_checkpoint
 from helpers import edit_config
 
 
@@ -76,6 +76,41 @@ def test_moe_block_equals_sum_of_routed_experts(tmp_path, arch):
             expected += shared
         assert (block.shared_experts is not None) == ("shared" in cfg)
     assert got.dtype == torch.float32 and got.shape == (6, 256)
+    rel = ((got.double() - expected).norm() / expected.norm()).item()
+    assert rel < 1e-5, rel
+
+
+def test_gpt_oss_block_follows_hf(tmp_path):
+    """gpt-oss (HF GptOssTopKRouter, GptOssExperts): the router's bias on the logits, a softmax over the top-k
+    logits, experts with biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), gate <= 7, |up| <= 7),
+    written here from dequantized weights; inputs large enough that the clamps bite."""
+    path = write_checkpoint(tmp_path / "oss", ModelSpec(arch="gpt_oss", num_layers=1, num_experts=6, top_k=3,
+                                                        intermediate=192, embeddings=False))
+    name, x = "model.layers.0.mlp", 30 * torch.randn(5, 256, dtype=torch.float64)
+    # a bias as large as the logits, so that it changes the choice
+    edit_checkpoint(path, replace={f"{name}.router.bias": 300 * torch.randn(6).to(torch.bfloat16)})
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.block(name)
+        assert (block.router.name, block.router_bias.name) == (f"{name}.router.weight", f"{name}.router.bias")
+        assert (block.experts[0].activation, block.experts[0].activation_limit) == ("swiglu_oai", 7.0)
+        logits = x @ ckpt.load_tensor(block.router.name).double().T + ckpt.load_tensor(block.router_bias.name).double()
+        top, chosen = logits.topk(3, dim=-1)
+        weights = top.softmax(-1)
+
+        def linear(lin, h):
+            return h @ ckpt.dequantize(lin.name).double().T + ckpt.load_tensor(f"{lin.name}.bias").double()[
+                : lin.out_features]
+
+        expected, clamped = torch.zeros(5, 256, dtype=torch.float64), 0
+        for t in range(5):
+            for w, e in zip(weights[t], chosen[t].tolist()):
+                mlp = block.experts[e]
+                gate, up = linear(mlp.gate, x[t]), linear(mlp.up, x[t])
+                clamped += int((gate > 7).sum() + (up.abs() > 7).sum())
+                gate, up = gate.clamp(max=7), up.clamp(-7, 7)
+                expected[t] += w * linear(mlp.down, (up + 1) * gate * torch.sigmoid(1.702 * gate))
+        got = ckpt.reference_forward(name, x.float())
+    assert clamped > 0
     rel = ((got.double() - expected).norm() / expected.norm()).item()
     assert rel < 1e-5, rel
 

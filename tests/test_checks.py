@@ -300,10 +300,12 @@ def test_expert_shaped_unlike_the_others(moe):
     ("deepseek_v3", "glm4_moe", "model.layers.0.mlp.gate.e_score_correction_bias"),
     ("qwen2_moe", "qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight"),
     ("qwen3_next", "qwen3_5_moe_text", "model.layers.0.mlp.shared_expert_gate.weight"),
+    ("gpt_oss", "gpt_oss", "model.layers.0.mlp.router.weight"),
+    ("gpt_oss", "gpt_oss", "model.layers.0.mlp.router.bias"),
 ])
 def test_missing_what_the_routing_computes_with(tmp_path, arch, model_type, tensor):
-    """The router itself; and sigmoid routing chooses experts by score + correction bias, a Qwen2-MoE-style shared
-    expert is scaled by its gate: without them the block would compute something else, so it is refused like a
+    """The router itself (gpt-oss's `router`, with the bias on its logits); and sigmoid routing chooses experts by
+    score + correction bias, a Qwen2-MoE-style shared expert is scaled by its gate: without them the block would compute something else, so it is refused like a
     block without a router."""
     path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, n_group=1, embeddings=False))
     edit_config(path, model_type=model_type)
@@ -325,9 +327,11 @@ def test_ungated_shared_experts_need_no_gate(tmp_path):
     ("deepseek_v3", "model.layers.0.mlp.gate.e_score_correction_bias", torch.zeros(3)),
     ("deepseek_v3", "model.layers.0.mlp.gate.e_score_correction_bias", torch.zeros(4, 1)),
     ("qwen3_moe", "model.layers.0.mlp.gate.weight", ("F8_E4M3", (4, 256), bytes(4 * 256))),
+    ("gpt_oss", "model.layers.0.mlp.router.bias", torch.zeros(5, dtype=torch.bfloat16)),
 ])
 def test_router_companions_of_the_wrong_shape_or_dtype(tmp_path, arch, tensor, value):
-    """The shared expert's gate [1, hidden], the correction bias [experts] and the router itself, each in a float
+    """The shared expert's gate [1, hidden], the correction bias and gpt-oss's router bias [experts] and the router
+    itself, each in a float
     type torch loads: the block is refused (prepare, the reference) instead of failing inside a matmul."""
     path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, n_group=1, embeddings=False))
     edit_checkpoint(path, replace={tensor: value})

@@ -153,6 +153,7 @@ def assert_stacks_hold_the_experts(src, prep, layer: int) -> None:
     ("deepseek_v3", {"dense_layers": (0,), "num_layers": 3, "codebook": "mul1", "bits": 2.5}),
     ("qwen3_next", {"full_attention_interval": 2}),  # linear-attention layers' tensors carried as they are
     ("minimax_m2", {"hidden_act": "gelu_pytorch_tanh", "intermediate": 128}),  # the activation kept with each MLP
+    ("gpt_oss", {"intermediate": 128}),  # router bias, biased experts, the clamped SwiGLU and its limit
 ])
 def test_round_trip_synthetic_moe(tmp_path, arch, extra):
     src = write_checkpoint(tmp_path / "src", ModelSpec(arch=arch, **{**SMALL, **extra}, shards=2))
@@ -166,6 +167,9 @@ def test_round_trip_synthetic_moe(tmp_path, arch, extra):
                 assert (moe.shared is None) == (layer.mlp.shared_experts is None)
                 assert (moe.shared_gate is None) == (layer.mlp.shared_expert_gate is None)
                 assert (moe.correction_bias is None) == (layer.mlp.correction_bias is None)
+                assert (moe.router_bias is None) == (layer.mlp.router_bias is None)
+                pe, se = p.layer(layer.index).mlp.experts[0], layer.mlp.experts[0]
+                assert (pe.activation, pe.activation_limit) == (se.activation, se.activation_limit)
                 if moe.shared is not None:
                     down = s.load_linear(layer.mlp.shared_experts.down.name)
                     assert torch.equal(moe.shared.down.trellis, down.trellis)

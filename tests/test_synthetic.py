@@ -16,7 +16,7 @@ from helpers import run_cli
 @pytest.mark.parametrize("arch, block, experts_names", [
     ("llama", "mlp", None), ("qwen3_moe", "mlp", "gate_proj"), ("qwen2_moe", "mlp", "gate_proj"),
     ("qwen3_next", "mlp", "gate_proj"), ("mixtral", "block_sparse_moe", "w1"), ("minimax_m2", "block_sparse_moe", "w1"),
-    ("deepseek_v3", "mlp", "gate_proj"),
+    ("deepseek_v3", "mlp", "gate_proj"), ("gpt_oss", "mlp", "gate_proj"),
 ])
 def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
     spec = ModelSpec(arch=arch, num_layers=2, num_experts=3, hidden=384, intermediate=200, moe_intermediate=160,
@@ -40,7 +40,7 @@ def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
             assert ckpt.head.bits == 2.5
             expert = layer.mlp.experts[2]
             assert expert.gate.name == f"model.layers.1.{block}.experts.2.{experts_names}"
-            expected = spec.intermediate if block == "block_sparse_moe" else spec.moe_intermediate
+            expected = spec.intermediate if block == "block_sparse_moe" or arch == "gpt_oss" else spec.moe_intermediate
             assert (expert.gate.in_features, expert.gate.out_features) == (384, expected)
         if arch == "qwen3_next":  # the gated q_proj; layer 0's linear attention: its two quantized projections
             q = layer.attention.projections["q_proj"]

@@ -166,7 +166,7 @@ class MLPGroup:
         self.name, self.block, self.tensors, self.ctx = name, block, copies, ctx
         dev = ctx.device
         self.mlps = [blocks.DeviceGatedMLP(*(DeviceLinear.from_tensors(t, dev) for t in (m.gate, m.up, m.down)),
-                                           m.activation) for m in copies]
+                                           m.activation, m.activation_limit) for m in copies]
         self.weight_bytes = sum(exl3_weight_bytes(i.in_features, i.out_features, i.bits, i.has_bias)
                                 for i in block.linears)
         self._dense = None
@@ -200,17 +200,17 @@ def _same(infos, field):
 def _mlp_dequant(x, mlp: blocks.DeviceGatedMLP):
     """``blocks.gated_mlp_forward`` with every linear on the dequantize + torch GEMM path."""
     f = lambda h, lin: linear_forward(h, lin, torch.float32, path="dequant")  # noqa: E731
-    act = reference.activation_fn(mlp.activation, mlp.gate.info.name)
-    return f((act(f(x, mlp.gate)) * f(x, mlp.up)).to(x.dtype), mlp.down)
+    act = reference.activation_fn(mlp.activation, mlp.gate.info.name, mlp.activation_limit)
+    return f(act(f(x, mlp.gate), f(x, mlp.up)).to(x.dtype), mlp.down)
 
 
 def _mlp_torch(g: MLPGroup, x):
     dense = g.dense(x.dtype)
-    act = reference.activation_fn(g.block.activation, g.block.gate.name)
+    act = reference.activation_fn(g.block.activation, g.block.gate.name, g.block.activation_limit)
 
     def call(c):
         gate, up, down = dense[c]
-        return (act((x @ gate).float()) * (x @ up).float()).to(x.dtype) @ down
+        return act((x @ gate).float(), (x @ up).float()).to(x.dtype) @ down
 
     return Impl("torch fp16", call, len(dense), sum(w.numel() * w.element_size() for w in dense[0]))
 
@@ -240,6 +240,7 @@ class MoEGroup:
         self.router = reader.load_tensor(self.block.router.name, dev)
         opt = lambda t: None if t is None else reader.load_tensor(t.name, dev)  # noqa: E731
         self.shared_gate, self.correction_bias = opt(self.block.shared_expert_gate), opt(self.block.correction_bias)
+        self.router_bias = opt(self.block.router_bias)
         self._loaded: dict[str, LinearTensors] = {}
         self.expert_bytes = [_mlp_bytes(e) for e in self.block.experts]
         self.shared_bytes = 0 if self.block.shared_experts is None else _mlp_bytes(self.block.shared_experts)
@@ -264,7 +265,8 @@ class MoEGroup:
         def mlp(m: GatedMLP, copy: int):
             t = [self.load(i.name, dev) for i in m.linears]
             t = t if copy == 0 else [clone(x) for x in t]
-            return blocks.DeviceGatedMLP(*(DeviceLinear.from_tensors(x, dev) for x in t), m.activation)
+            return blocks.DeviceGatedMLP(*(DeviceLinear.from_tensors(x, dev) for x in t), m.activation,
+                                         m.activation_limit)
 
         while len(self._copies) < copies:
             c = len(self._copies)
@@ -289,7 +291,7 @@ class MoEGroup:
         from exl3tool.reader import reference_forward
 
         ref = reference_forward(self.reader, b.name, x, dev, load_linear=self.load)
-        _, indices = reference.route(x, self.router, b.routing, self.correction_bias)
+        _, indices = reference.route(x, self.router, b.routing, self.correction_bias, self.router_bias)
         touched = indices.unique().tolist()
         routes = indices.numel()
         touched_bytes = sum(self.expert_bytes[e] for e in touched) + self.shared_bytes
@@ -332,7 +334,8 @@ def _moe_per_expert(g: MoEGroup, x, copies, nbytes):
     def call(c):
         s = sets[c]
         return blocks.moe_forward(x, g.router, b.routing, lambda e: s["experts"][e], shared=s["shared"],
-                                  shared_gate=g.shared_gate, correction_bias=g.correction_bias)
+                                  shared_gate=g.shared_gate, correction_bias=g.correction_bias,
+                                  router_bias=g.router_bias)
 
     return Impl("per-expert", call, copies, nbytes, capturable=False,
                 note="routing syncs with the host (one launch set per routed expert): not capturable in a graph")

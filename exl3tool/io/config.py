@@ -29,12 +29,19 @@ GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decodi
 # text model's type, "..._text")
 _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qwen3_5_moe": True,
                  "qwen3_5_moe_text": True, "qwen3_vl_moe": True, "qwen3_vl_moe_text": True, "olmoe": False,
-                 "mixtral": True, "minimax": True}
+                 "mixtral": True, "minimax": True, "gpt_oss": True}
+_ALWAYS_RENORMALISED = frozenset({"mixtral", "gpt_oss"})  # their HF routers have no norm_topk_prob to turn it off
 # (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
 # as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling)
 _SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2"}
 # Model types whose shared expert (`mlp.shared_expert`) is scaled by sigmoid(x @ shared_expert_gate.T)
 GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
+# The router's module name in a MoE block (`<block>.<name>.weight`) where it is not "gate", and the model types
+# whose router adds a bias to its logits (`<block>.<name>.bias`)
+ROUTER_NAMES = {"gpt_oss": "router"}
+ROUTER_BIAS_TYPES = frozenset({"gpt_oss"})
+# Model types whose gated MLPs compute gpt-oss's clamped SwiGLU whatever hidden_act says (HF's GptOssExperts)
+SWIGLU_OAI_TYPES = frozenset({"gpt_oss"})
 # Model types whose full-attention q_proj also gives the attention output's gate (twice heads * head_dim rows)
 GATED_QUERY_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 # Architectures without experts: a checkpoint of one of these that stores experts contradicts its config.
@@ -144,7 +151,7 @@ def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Rou
         return None
     top_k = r.int("num_experts_per_tok", "moe_topk", maximum=MAX_EXPERTS) or 1
     if model_type in _SOFTMAX_TOPK:
-        normalize = True if model_type == "mixtral" else r.bool("norm_topk_prob", _SOFTMAX_TOPK[model_type])
+        normalize = model_type in _ALWAYS_RENORMALISED or r.bool("norm_topk_prob", _SOFTMAX_TOPK[model_type])
         return Routing("softmax_topk", num_experts, top_k, normalize)
     if model_type in _SIGMOID_NOAUX:
         return Routing(
@@ -156,11 +163,15 @@ def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Rou
     return Routing("unknown", num_experts, top_k, r.bool("norm_topk_prob", False))
 
 
-def _activation(r: _Reader) -> str:
-    """The MLPs' activation (``format.ACTIVATION_KINDS``): Gemma's `hidden_activation` where set (HF reads it
-    first), else `hidden_act`, else SiLU, which every other common architecture uses."""
+def _activation(r: _Reader, model_type: str | None) -> tuple[str, float | None]:
+    """The MLPs' activation (``format.ACTIVATION_KINDS``) and its clamp: gpt-oss's clamped SwiGLU for its model
+    type (swiglu_limit, 7.0 by default as in HF); else Gemma's `hidden_activation` where set (HF reads it first),
+    else `hidden_act`, else SiLU, which every other common architecture uses."""
+    if model_type in SWIGLU_OAI_TYPES:
+        limit = r.float("swiglu_limit", 0.0, 1e6)
+        return "swiglu_oai", 7.0 if limit is None else limit
     name = r.str("hidden_activation") or r.str("hidden_act") or "silu"
-    return ACTIVATION_KINDS.get(name, name)
+    return ACTIVATION_KINDS.get(name, name), None
 
 
 def routing_conflict(routing: Routing) -> str | None:
@@ -222,6 +233,7 @@ def read_config(root: Path) -> tuple[ModelConfig, list[Problem]]:
             _quant(side_qc, problems, QUANT_CONFIG)
         except UnreadableInputError as e:
             problems.append(Problem("config-file", e.message, QUANT_CONFIG, kind=ProblemKind.UNREADABLE))
+    activation, activation_limit = _activation(r, model_type)
     config = ModelConfig(
         architecture=architecture,
         model_type=model_type,
@@ -229,6 +241,7 @@ def read_config(root: Path) -> tuple[ModelConfig, list[Problem]]:
         quant=quant,
         routing=_routing(r, model_type, dims.num_experts),
         tie_word_embeddings=top.bool("tie_word_embeddings", False),
-        activation=_activation(r),
+        activation=activation,
+        activation_limit=activation_limit,
     )
     return config, problems

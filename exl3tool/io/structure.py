@@ -18,7 +18,8 @@ from exl3tool.format import (
     Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
 from exl3tool.io.config import (
-    CONFIG, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, routing_conflict,
+    CONFIG, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, ROUTER_BIAS_TYPES,
+    ROUTER_NAMES, routing_conflict,
 )
 from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
 
@@ -37,7 +38,7 @@ _ATTENTION_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3,
 STANDARD_ATTENTION = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gemma",
     "gemma2", "gemma3_text", "granite", "granitemoe", "qwen3_vl_moe", "qwen3_vl_moe_text", "minimax_m2", "dots1",
-    *GATED_QUERY_TYPES,
+    "gpt_oss", *GATED_QUERY_TYPES,
 })
 
 Dim = tuple[str, int | None]  # (config key that gives it, value)
@@ -156,7 +157,8 @@ class _Builder:
                 "incomplete-mlp", f"{what} lacks its {', '.join(missing)} projection(s)", some.file,
                 f"{name}.{missing[0]}", module=name))
             return None
-        return GatedMLP(name, parts["gate"], parts["up"], parts["down"], self.config.activation)
+        return GatedMLP(name, parts["gate"], parts["up"], parts["down"], self.config.activation,
+                        self.config.activation_limit)
 
     def moe(self, name: str, experts: dict[int, dict[str, LinearInfo]], shared: GatedMLP | None,
             shared_kind: str | None) -> MoEBlock | None:
@@ -211,12 +213,16 @@ class _Builder:
                         self.problems.append(Problem(
                             "expert-shape", f"padded shape {lin.in_padded}x{lin.out_padded} differs from expert "
                             f"{ref_e}'s {ref_lin.in_padded}x{ref_lin.out_padded}", lin.file, lin.name, module=name))
-        router = self.unquantized.get(f"{name}.gate.weight")
+        router_name = ROUTER_NAMES.get(model_type, "gate")
+        router = self.unquantized.get(f"{name}.{router_name}.weight")
+        router_bias = self.unquantized.get(f"{name}.{router_name}.bias") if model_type in ROUTER_BIAS_TYPES else None
         gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
         bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
         missing = []  # the router, and what this routing or shared expert computes with beside it
         if router is None:
-            missing.append(("gate.weight", "a MoE block needs its fp16 router weight"))
+            missing.append((f"{router_name}.weight", "a MoE block needs its fp16 router weight"))
+        if model_type in ROUTER_BIAS_TYPES and router_bias is None:
+            missing.append((f"{router_name}.bias", f"a {model_type} router adds a bias to its logits"))
         if routing is not None and routing.method == "sigmoid_noaux_tc" and bias is None:
             missing.append(("gate.e_score_correction_bias", "sigmoid routing chooses by score + correction bias"))
         if shared is not None and model_type in GATED_SHARED_EXPERT_TYPES and gate is None:
@@ -228,6 +234,7 @@ class _Builder:
                                              module=name))
         hidden = self.dims.hidden or (router.shape[-1] if router is not None and router.shape else None)
         for what, tensor, shape, dims in (("router", router, (count, hidden), "[experts, hidden_size]"),
+                                          ("router bias", router_bias, (count,), "[experts]"),
                                           ("shared expert gate", gate, (1, hidden), "[1, hidden_size]"),
                                           ("correction bias", bias, (count,), "[experts]")):
             if tensor is not None and (tensor.shape != shape or tensor.dtype not in ROUTER_DTYPES):
@@ -237,7 +244,7 @@ class _Builder:
                     f"{list(shape)}", tensor.file, tensor.name, module=name))
         if not usable:
             return None
-        return MoEBlock(name, router, tuple(built[e] for e in range(count)), routing, shared, gate, bias)
+        return MoEBlock(name, router, tuple(built[e] for e in range(count)), routing, shared, gate, bias, router_bias)
 
     def layer(self, stack: str, index: int, parts: _LayerParts) -> Layer:
         prefix = f"{stack}.{index}"

@@ -22,12 +22,13 @@ class DeviceGatedMLP:
     up: DeviceLinear
     down: DeviceLinear
     activation: str = "silu"
+    activation_limit: float | None = None
 
 
 def gated_mlp_forward(x: torch.Tensor, mlp: DeviceGatedMLP) -> torch.Tensor:
     """fp32 ``down(act(gate(x)) * up(x))``; the intermediate is rounded to x's dtype, as a serving engine does."""
-    act = reference_blocks.activation_fn(mlp.activation, mlp.gate.info.name)
-    h = act(linear_forward(x, mlp.gate, torch.float32)) * linear_forward(x, mlp.up, torch.float32)
+    act = reference_blocks.activation_fn(mlp.activation, mlp.gate.info.name, mlp.activation_limit)
+    h = act(linear_forward(x, mlp.gate, torch.float32), linear_forward(x, mlp.up, torch.float32))
     return linear_forward(h.to(x.dtype), mlp.down, torch.float32)
 
 

@@ -330,6 +330,8 @@ class DeviceMoE:
             raise UnsupportedFeatureError(f"MoE routing {r.method!r} has no fused kernel", tensor=moe.name)
         if moe.hidden % 4:
             raise UnsupportedFeatureError(f"hidden size {moe.hidden} is not a multiple of 4", tensor=moe.name)
+        if moe.router_bias is not None:
+            raise UnsupportedFeatureError("a router with a bias on its logits has no fused kernel", tensor=moe.name)
         mlps = (*moe.block.experts, *((moe.block.shared_experts,) if moe.block.shared_experts else ()))
         other = {m.activation for m in mlps} - {"silu"}  # the kernels' Intermediate computes SiLU (moe_rotate.silu)
         if other:

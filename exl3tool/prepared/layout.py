@@ -113,7 +113,7 @@ def config_to_json(config: ModelConfig) -> dict:
     return {
         "architecture": config.architecture, "model_type": config.model_type, "dims": asdict(config.dims),
         "quant": quant, "routing": routing_to_json(config.routing), "tie_word_embeddings": config.tie_word_embeddings,
-        "activation": config.activation,
+        "activation": config.activation, "activation_limit": config.activation_limit,
     }
 
 
@@ -125,6 +125,7 @@ def config_from_json(data: dict) -> ModelConfig:
         quant=QuantConfig(**quant), routing=routing_from_json(data["routing"]),
         tie_word_embeddings=bool(data["tie_word_embeddings"]),
         activation=str(data.get("activation", "silu")),  # manifests before it was recorded: SiLU, as then assumed
+        activation_limit=data.get("activation_limit"),
     )
 
 

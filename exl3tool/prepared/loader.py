@@ -261,7 +261,9 @@ class PreparedCheckpoint(CheckpointReader):
                 return lin[name]
 
             def mlp_of(d: dict, take=take) -> GatedMLP:
-                return GatedMLP(d["name"], take(d["gate"]), take(d["up"]), take(d["down"]), d["activation"])
+                limit = d.get("activation_limit")  # manifests before gpt-oss: none
+                _require(limit is None or type(limit) in (int, float), lambda: f"activation_limit {limit!r}")
+                return GatedMLP(d["name"], take(d["gate"]), take(d["up"]), take(d["down"]), d["activation"], limit)
 
             if unit["kind"] == "layer":
                 a, mlp = s["attention"], s["mlp"]
@@ -277,7 +279,8 @@ class PreparedCheckpoint(CheckpointReader):
                         mlp["name"], self._tinfo({"tensor": mlp["router"]}), tuple(mlp_of(x) for x in mlp["experts"]),
                         routing_from_json(mlp["routing"]),
                         None if mlp["shared_experts"] is None else mlp_of(mlp["shared_experts"]),
-                        optional(mlp["shared_expert_gate"]), optional(mlp["correction_bias"]))
+                        optional(mlp["shared_expert_gate"]), optional(mlp["correction_bias"]),
+                        optional(mlp.get("router_bias")))  # manifests before gpt-oss: none
                 layers.append(Layer(s["index"], attention, block, tuple(take(n) for n in s["other_linears"])))
                 _require(s["index"] not in self._structures, f"layer {s['index']} listed twice")
                 self._structures[s["index"]] = s

@@ -118,20 +118,23 @@ class _Planner:
 
     def mlp(self, mlp: GatedMLP, role: str) -> dict:
         return {"kind": "dense", "name": mlp.name, "gate": self.dense(mlp.gate, role),
-                "up": self.dense(mlp.up, role), "down": self.dense(mlp.down, role), "activation": mlp.activation}
+                "up": self.dense(mlp.up, role), "down": self.dense(mlp.down, role), "activation": mlp.activation,
+                "activation_limit": mlp.activation_limit}
 
     def moe(self, block: MoEBlock) -> dict:
         entries = [self.group(block, g, ids) for g, ids in enumerate(expert_groups(block))]
         experts = []
         for expert in block.experts:
             experts.append({"name": expert.name, "gate": expert.gate.name, "up": expert.up.name,
-                            "down": expert.down.name, "activation": expert.activation})
+                            "down": expert.down.name, "activation": expert.activation,
+                            "activation_limit": expert.activation_limit})
         return {
             "kind": "moe", "name": block.name, "router": block.router.name, "routing": routing_to_json(block.routing),
             "experts": experts, "groups": entries,
             "shared_experts": None if block.shared_experts is None else self.mlp(block.shared_experts, "shared_expert"),
             "shared_expert_gate": None if block.shared_expert_gate is None else block.shared_expert_gate.name,
             "correction_bias": None if block.correction_bias is None else block.correction_bias.name,
+            "router_bias": None if block.router_bias is None else block.router_bias.name,
         }
 
     def group(self, block: MoEBlock, g: int, ids: list[int]) -> dict:
@@ -226,7 +229,8 @@ def _group_key(block: MoEBlock, e: int, expert: GatedMLP) -> tuple:
         raise UnsupportedFeatureError(
             f"expert {e}: down is {down.in_features}x{down.out_features}, not the transpose of gate's "
             f"{gate.in_features}x{gate.out_features}", tensor=block.name)
-    if expert.activation != block.experts[0].activation:
+    first = block.experts[0]
+    if (expert.activation, expert.activation_limit) != (first.activation, first.activation_limit):
         raise UnsupportedFeatureError(f"expert {e}: activation {expert.activation!r} differs from expert 0's",
                                       tensor=block.name)
     return (sig(gate), sig(down))

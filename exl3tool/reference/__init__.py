@@ -9,7 +9,7 @@
     reconstruct(tensors) -> fp32 (in_p, out_p)                   padded W with y = x_pad @ W
     dequantize(tensors) -> fp32 [out_features, in_features]      HF orientation, true sizes
     gated_mlp_forward / route / moe_forward                      whole dense-MLP and MoE blocks
-    ACTIVATIONS, activation_fn(kind)                             the MLPs' activations (format.ACTIVATION_KINDS)
+    ACTIVATIONS, activation_fn(kind, tensor, limit)(gate, up)    the MLPs' intermediates (format.ACTIVATION_KINDS)
     unpack_signs / pack_signs                                    legacy su/sv <-> +-1 vectors
 """
 

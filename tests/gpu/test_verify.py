@@ -87,3 +87,19 @@ def test_moe_path_is_chosen_and_reported(path):
     assert any(c["vs_recorded"] is not None for c in moe)  # layer 0's block was recorded by ExLlamaV3
     # the expert projections are still checked one by one with the dense kernel
     assert any(".experts." in c["name"] and c["kind"] == "linear" for c in report["checks"])
+
+
+def test_gpt_oss_moe_runs_per_expert_and_the_fused_kernel_refuses_it(tmp_path):
+    """gpt-oss: a router with a bias, experts with biases and the clamped SwiGLU. verify's per-expert path checks the
+    block (routing in torch with the bias, each expert through the dense kernels with its biases); the fused kernel
+    has none of the three and refuses the block with one line, exit 1 (unsupported)."""
+    from exl3tool.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "oss", arch="gpt_oss", num_layers=1, hidden=256, intermediate=256,
+                            num_experts=8, top_k=4, embeddings=False)
+    result = run_cli("verify", path, "--layer", "0", "--moe-path", "per-expert", "--format", "json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    moe = [c for c in result.json()["checks"] if c["kind"] == "moe"]
+    assert len(moe) == 1 and moe[0]["passed"] and moe[0]["path"] == "per-expert"
+    refused = run_cli("verify", path, "--layer", "0")
+    assert refused.exit_code == 1 and "no fused kernel" in refused.stderr, refused.stderr
