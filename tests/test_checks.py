@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import exl3tool
-from exl3tool.errors import CheckpointProblemsError
+from exl3tool.errors import CheckpointProblemsError, UnsupportedFeatureError
 from exl3tool.format import MCG_MARKER
 from exl3tool.synthetic import ModelSpec, edit_checkpoint, save_safetensors, write_checkpoint
 from helpers import edit_config, model_dir, run_cli
@@ -312,6 +312,31 @@ def test_missing_what_the_routing_computes_with(tmp_path, arch, model_type, tens
     assert inspect(path)[0] == 0
     edit_checkpoint(path, drop=[tensor])
     assert_problem(path, "missing-router", FILE, tensor)
+
+
+@pytest.mark.parametrize("router", ["router.gate", "router.proj", None])
+def test_a_router_by_another_name_of_an_unknown_model_type_is_no_problem(tmp_path, router):
+    """Where the model type's routing is not known (the reference refuses its MoE blocks anyway), the router's name is
+    not known either: HY-V3's router.gate or Gemma 4's router.proj is found, and none at all is no problem; the same
+    rename in a known model type is a missing router."""
+    path = write_checkpoint(tmp_path / "moe", ModelSpec(arch="qwen3_moe", num_layers=1, embeddings=False))
+    name = "model.layers.0.mlp.gate.weight"
+    with exl3tool.open_checkpoint(path) as ckpt:
+        weight = ckpt.load_tensor(name)
+    edit_checkpoint(path, drop=[name], add={} if router is None else {f"model.layers.0.mlp.{router}.weight": weight})
+    edit_config(path, model_type="someone_elses_moe")
+    code, report, _, _ = inspect(path)
+    assert code == 0 and report["problems"] == [], report["problems"]
+    assert any("routing of model_type 'someone_elses_moe' is not known" in n for n in report["notes"])
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.layer(0).mlp
+        assert (block is None) == (router is None)
+        if router is not None:
+            assert block.router.name == f"model.layers.0.mlp.{router}.weight"
+            with pytest.raises(UnsupportedFeatureError):
+                ckpt.reference_forward("model.layers.0.mlp", torch.randn(1, 256))
+    edit_config(path, model_type="qwen3_moe")
+    assert_problem(path, "missing-router", FILE, name)
 
 
 def test_ungated_shared_experts_need_no_gate(tmp_path):

@@ -39,6 +39,9 @@ GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe",
 # The router's module name in a MoE block (`<block>.<name>.weight`) where it is not "gate", and the model types
 # whose router adds a bias to its logits (`<block>.<name>.bias`)
 ROUTER_NAMES = {"gpt_oss": "router"}
+# ...and where the model type's routing is not known, the names other converters give it (HY-V3 router.gate,
+# Gemma 4 router.proj): the first one present is shown; none present is no problem, as the name is not known
+ROUTER_NAME_GUESSES = ("gate", "router", "router.gate", "router.proj")
 ROUTER_BIAS_TYPES = frozenset({"gpt_oss"})
 # Model types whose gated MLPs compute gpt-oss's clamped SwiGLU whatever hidden_act says (HF's GptOssExperts)
 SWIGLU_OAI_TYPES = frozenset({"gpt_oss"})

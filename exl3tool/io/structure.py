@@ -19,7 +19,7 @@ from exl3tool.format import (
 )
 from exl3tool.io.config import (
     CONFIG, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, ROUTER_BIAS_TYPES,
-    ROUTER_NAMES, routing_conflict,
+    ROUTER_NAME_GUESSES, ROUTER_NAMES, routing_conflict,
 )
 from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
 
@@ -213,14 +213,19 @@ class _Builder:
                         self.problems.append(Problem(
                             "expert-shape", f"padded shape {lin.in_padded}x{lin.out_padded} differs from expert "
                             f"{ref_e}'s {ref_lin.in_padded}x{ref_lin.out_padded}", lin.file, lin.name, module=name))
+        known_routing = routing is None or routing.method != "unknown"
         router_name = ROUTER_NAMES.get(model_type, "gate")
+        if not known_routing:
+            router_name = next((n for n in ROUTER_NAME_GUESSES if f"{name}.{n}.weight" in self.unquantized), "gate")
         router = self.unquantized.get(f"{name}.{router_name}.weight")
         router_bias = self.unquantized.get(f"{name}.{router_name}.bias") if model_type in ROUTER_BIAS_TYPES else None
         gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
         bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
         missing = []  # the router, and what this routing or shared expert computes with beside it
-        if router is None:
+        if router is None and known_routing:
             missing.append((f"{router_name}.weight", "a MoE block needs its fp16 router weight"))
+        elif router is None:
+            usable = False  # a block the reference refuses anyway (routing not known), its router's name unknown
         if model_type in ROUTER_BIAS_TYPES and router_bias is None:
             missing.append((f"{router_name}.bias", f"a {model_type} router adds a bias to its logits"))
         if routing is not None and routing.method == "sigmoid_noaux_tc" and bias is None:
