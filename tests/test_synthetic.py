@@ -10,7 +10,7 @@ import torch
 import exl3tool
 from exl3tool.format import Codebook, MoEBlock
 from exl3tool.synthetic import ModelSpec, random_linear, write_checkpoint, write_moe_layer
-from helpers import run_cli
+from helpers import edit_config, run_cli
 
 
 @pytest.mark.parametrize("arch, block, experts_names", [
@@ -105,3 +105,36 @@ def test_inspect_names_linear_attention_layers(tmp_path):
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
             for line in run_cli("inspect", str(path)).stdout.splitlines() if line.count("│") > 3}
     assert rows["0"] == "linear qkvz,out" and rows["1"] == "q,k,v,o"
+
+
+def test_qwen3_5_linear_attention_projections_are_sized_from_the_config(tmp_path):
+    """Qwen3.5 stores a gated delta-net's q/k/v and its output gate z apart (ExLlamaV3: in_proj_qkv, in_proj_z):
+    both are sized from the linear heads, as Qwen3-Next's fused in_proj_qkvz is."""
+    from exl3tool.synthetic import edit_checkpoint, linear_state_dict
+
+    path = write_checkpoint(tmp_path / "q35", ModelSpec(arch="qwen3_next", num_layers=2, num_experts=4, top_k=2,
+                                                        full_attention_interval=2))
+    prefix = "model.layers.0.linear_attn"
+    keys, values = 2 * 32, 4 * 32  # ModelSpec.linear_heads
+    split = {}
+    for proj, out, seed in (("in_proj_qkv", 2 * keys + values, 1), ("in_proj_z", values, 2)):
+        split.update(linear_state_dict(random_linear(256, out, 4, "mcg", seed=seed, name=f"{prefix}.{proj}")))
+    edit_checkpoint(path, drop=[n for n in _tensor_names(path) if n.startswith(f"{prefix}.in_proj_qkvz.")], add=split)
+    edit_config(path, model_type="qwen3_5_moe_text")
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert ckpt.check() == []
+        attention = ckpt.layer(0).attention
+        assert attention.kind == "linear" and list(attention.projections) == ["in_proj_qkv", "in_proj_z", "out_proj"]
+        qkv, z = attention.projections["in_proj_qkv"], attention.projections["in_proj_z"]
+        assert (qkv.out_features, qkv.out_padded, qkv.dims_from_config) == (2 * keys + values, 256, True)
+        assert (z.out_features, z.dims_from_config) == (values, True)
+    edit_config(path, linear_value_head_dim=64)  # v and z twice as wide: 256, which the stored z (128) is not
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert {(p.check, p.tensor) for p in ckpt.check()} >= {("config-dims", f"{prefix}.in_proj_z.trellis")}
+
+
+def _tensor_names(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return list(f.keys())
