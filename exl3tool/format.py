@@ -188,7 +188,8 @@ class Routing:
     method: "softmax_topk" (softmax over all experts, top-k, optional renormalisation; Qwen, Mixtral, OLMoE),
     "sigmoid_noaux_tc" (DeepSeek-V3 / GLM-4 MoE: sigmoid scores, group-limited top-k on scores + correction
     bias, weights from the scores, optional renormalisation, times `scale`), or "unknown" (recognised as MoE,
-    routing not understood: the reference refuses it).
+    routing not understood: the reference refuses it). `choice_bias`: sigmoid routing chooses by score + a correction
+    bias (LFM2-MoE's `use_expert_bias` can turn it off).
     """
 
     method: str
@@ -198,6 +199,7 @@ class Routing:
     scale: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    choice_bias: bool = True
 
 
 @dataclass(frozen=True)
@@ -237,8 +239,9 @@ class Attention:
 
     @property
     def kind(self) -> str:
-        """"linear" for a gated delta-net (`linear_attn`: Qwen3-Next, Qwen3.5), else "full"."""
-        return "linear" if self.name.rsplit(".", 1)[-1] == "linear_attn" else "full"
+        """"linear" for a gated delta-net (`linear_attn`: Qwen3-Next, Qwen3.5), "conv" for a short convolution
+        (`conv`: LFM2), else "full"."""
+        return {"linear_attn": "linear", "conv": "conv"}.get(self.name.rsplit(".", 1)[-1], "full")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class BitsBin:
 class LayerRow:
     index: int
     attention: tuple[str, ...]  # projection names
-    attention_kind: str | None  # "full" | "linear" (format.Attention.kind) | None
+    attention_kind: str | None  # "full" | "linear" | "conv" (format.Attention.kind) | None
     mlp: str | None  # "dense" | "moe" | None
     experts: int
     shared_experts: bool

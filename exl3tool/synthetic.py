@@ -13,7 +13,9 @@ MoE block, renormalised; linear-attention layers, ExLlamaV3's names: in_proj_qkv
 not, with a gated full-attention layer every `full_attention_interval`), "mixtral" (block_sparse_moe, w1/w3/w2),
 "minimax_m2" (Mixtral's names, sigmoid routing with a correction bias, experts `intermediate` wide), "deepseek_v3"
 (shared experts, sigmoid group-limited routing), "gpt_oss" (a router with a bias, experts `intermediate` wide with
-biases and the clamped SwiGLU, attention with biases and sinks). Everything is deterministic in `seed`.
+biases and the clamped SwiGLU, attention with biases and sinks), "lfm2_moe" (feed_forward blocks, w1/w3/w2, sigmoid
+routing with `expert_bias`; short-convolution layers conv.in_proj / out_proj between attention layers with out_proj).
+Everything is deterministic in `seed`.
 """
 
 from __future__ import annotations
@@ -123,9 +125,12 @@ def save_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor | tupl
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM", "mixtral": "MixtralForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM",
 }
 BLOCK_SPARSE_MOE = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.N.w1 / w3 / w2, `intermediate` wide
+MOE_BLOCK_NAMES = {**{a: "block_sparse_moe" for a in BLOCK_SPARSE_MOE}, "lfm2_moe": "feed_forward"}
+W_NAMED_EXPERTS = (*BLOCK_SPARSE_MOE, "lfm2_moe")  # experts (and LFM2's dense MLPs) named w1 / w3 / w2
+W_NAMES = ("w1", "w3", "w2")
 GATED_SHARED_EXPERT = tuple(a for a in ARCHITECTURES if a in GATED_SHARED_EXPERT_TYPES)  # mlp.shared_expert
 
 
@@ -196,6 +201,11 @@ def _config(spec: ModelSpec) -> dict:
             cfg.update(swiglu_limit=7.0, attention_bias=True)
         if spec.arch == "minimax_m2":
             cfg.update(scoring_func="sigmoid", use_routing_bias=True)
+    elif spec.arch == "lfm2_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.top_k, norm_topk_prob=spec.norm_topk_prob,
+                   moe_intermediate_size=spec.moe_intermediate, routed_scaling_factor=spec.routed_scaling_factor,
+                   use_expert_bias=True, num_dense_layers=len(spec.dense_layers),
+                   layer_types=[_lfm2_layer(i) for i in range(spec.num_layers)])
     elif spec.arch == "deepseek_v3":
         cfg.update(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.top_k,
                    moe_intermediate_size=spec.moe_intermediate, n_shared_experts=spec.num_shared_experts,
@@ -251,19 +261,23 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
         w.plain(f"{p}.input_layernorm.weight", (h,), scale=1.0)
         if spec.arch == "qwen3_next" and _qwen3_next_layer(spec, i) == "linear_attention":
             _linear_attention(w, f"{p}.linear_attn", spec)
+        elif spec.arch == "lfm2_moe" and _lfm2_layer(i) == "conv":
+            _short_conv(w, f"{p}.conv", spec)
         else:
             gated = 2 if spec.arch in GATED_QUERY_TYPES else 1  # q_proj also gives the attention output's gate
+            out = "out_proj" if spec.arch == "lfm2_moe" else "o_proj"
             for proj, fan_in, fan_out in (("q_proj", h, gated * q), ("k_proj", h, kv), ("v_proj", h, kv),
-                                          ("o_proj", q, h)):
+                                          (out, q, h)):
                 bias = spec.arch == "gpt_oss" or (spec.attention_bias and proj != "o_proj")
                 w.linear(f"{p}.self_attn.{proj}", fan_in, fan_out, bias=bias)
             if spec.arch == "gpt_oss":
                 w.plain(f"{p}.self_attn.sinks", (spec.num_heads,), scale=1.0)
         w.plain(f"{p}.post_attention_layernorm.weight", (h,), scale=1.0)
+        block = f"{p}.{MOE_BLOCK_NAMES.get(spec.arch, 'mlp')}"
+        names = W_NAMES if spec.arch in W_NAMED_EXPERTS else ("gate_proj", "up_proj", "down_proj")
         if not spec.moe or i in spec.dense_layers:
-            w.mlp(f"{p}.mlp", h, spec.intermediate)
+            w.mlp(block if spec.arch == "lfm2_moe" else f"{p}.mlp", h, spec.intermediate, names)
             continue
-        block = f"{p}.block_sparse_moe" if spec.arch in BLOCK_SPARSE_MOE else f"{p}.mlp"
         if spec.arch == "gpt_oss":  # HF's GptOssTopKRouter: bf16 weight and bias
             w.plain(f"{block}.router.weight", (spec.num_experts, h), scale=0.5)
             w.plain(f"{block}.router.bias", (spec.num_experts,), scale=0.5)
@@ -273,9 +287,9 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
             if spec.arch == "gpt_oss":
                 w.mlp(f"{block}.experts.{e}", h, spec.intermediate, bias=True)
             elif spec.arch in BLOCK_SPARSE_MOE:
-                w.mlp(f"{block}.experts.{e}", h, spec.intermediate, ("w1", "w3", "w2"))
+                w.mlp(f"{block}.experts.{e}", h, spec.intermediate, names)
             else:
-                w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate)
+                w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate, names)
         if spec.arch in GATED_SHARED_EXPERT:
             w.mlp(f"{block}.shared_expert", h, spec.shared_intermediate)
             w.plain(f"{block}.shared_expert_gate.weight", (1, h), torch.float16, scale=0.5)
@@ -283,12 +297,25 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
             w.mlp(f"{block}.shared_experts", h, spec.moe_intermediate * spec.num_shared_experts)
         if spec.arch in ("deepseek_v3", "minimax_m2"):
             w.plain(f"{block}.gate.e_score_correction_bias", (spec.num_experts,), torch.float32, scale=0.1)
+        elif spec.arch == "lfm2_moe":
+            w.plain(f"{block}.expert_bias", (spec.num_experts,), torch.float32, scale=0.1)
     w.plain("model.norm.weight", (h,), scale=1.0)
     if spec.head_bits == 16:
         w.plain("lm_head.weight", (spec.vocab, h), torch.float16)
     else:
         w.linear("lm_head", h, spec.vocab, bits=spec.head_bits)
     return w.modules
+
+
+def _lfm2_layer(i: int) -> str:
+    return "full_attention" if i % 2 else "conv"
+
+
+def _short_conv(w: _Writer, prefix: str, spec: ModelSpec) -> None:
+    """An LFM2 short-convolution layer: its in (B, C, x) and out projections quantized, the 3-tap filter as it is."""
+    w.linear(f"{prefix}.in_proj", spec.hidden, 3 * spec.hidden)
+    w.plain(f"{prefix}.conv.weight", (spec.hidden, 1, 3))
+    w.linear(f"{prefix}.out_proj", spec.hidden, spec.hidden)
 
 
 def _qwen3_next_layer(spec: ModelSpec, i: int) -> str:

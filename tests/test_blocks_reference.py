@@ -47,6 +47,7 @@ ARCHS = {
     "qwen3_next": dict(block="mlp", method="softmax", normalize=True, shared="shared_expert"),
     "deepseek_v3": dict(block="mlp", method="sigmoid", normalize=True, shared="shared_experts", scale=2.5,
                         n_group=2, topk_group=1),
+    "lfm2_moe": dict(block="feed_forward", method="sigmoid", normalize=True, scale=2.5, n_group=1, topk_group=1),
 }
 
 

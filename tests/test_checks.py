@@ -302,6 +302,7 @@ def test_expert_shaped_unlike_the_others(moe):
     ("qwen3_next", "qwen3_5_moe_text", "model.layers.0.mlp.shared_expert_gate.weight"),
     ("gpt_oss", "gpt_oss", "model.layers.0.mlp.router.weight"),
     ("gpt_oss", "gpt_oss", "model.layers.0.mlp.router.bias"),
+    ("lfm2_moe", "lfm2_moe", "model.layers.0.feed_forward.expert_bias"),
 ])
 def test_missing_what_the_routing_computes_with(tmp_path, arch, model_type, tensor):
     """The router itself (gpt-oss's `router`, with the bias on its logits); and sigmoid routing chooses experts by
@@ -337,6 +338,27 @@ def test_a_router_by_another_name_of_an_unknown_model_type_is_no_problem(tmp_pat
                 ckpt.reference_forward("model.layers.0.mlp", torch.randn(1, 256))
     edit_config(path, model_type="qwen3_moe")
     assert_problem(path, "missing-router", FILE, name)
+
+
+def test_lfm2_without_expert_bias_chooses_by_score(tmp_path):
+    """LFM2-MoE's use_expert_bias = false: no bias is stored and none is missed; the scores alone choose."""
+    path = write_checkpoint(tmp_path / "lfm2", ModelSpec(arch="lfm2_moe", num_layers=1, embeddings=False))
+    edit_checkpoint(path, drop=["model.layers.0.feed_forward.expert_bias"])
+    edit_config(path, use_expert_bias=False)
+    assert inspect(path)[0] == 0
+    with exl3tool.open_checkpoint(path) as ckpt:
+        block = ckpt.block("model.layers.0.feed_forward")
+        assert block.correction_bias is None and not block.routing.choice_bias
+        x = torch.randn(3, 256)
+        scores = (x @ ckpt.load_tensor(block.router.name).float().T).sigmoid()
+        chosen = scores.topk(2, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        expected = torch.zeros(3, 256, dtype=torch.float64)
+        for t in range(3):
+            for w, e in zip(weights[t] / weights[t].sum() * 2.5, chosen[t].tolist()):
+                expected[t] += w.item() * ckpt.reference_forward(f"{block.name}.experts.{e}", x[t : t + 1])[0].double()
+        got = ckpt.reference_forward(block.name, x).double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
 def test_ungated_shared_experts_need_no_gate(tmp_path):

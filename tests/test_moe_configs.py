@@ -41,6 +41,8 @@ LAYERS = {
                                                (group(4, "mcg", 256),)),
     "qwen3-next-512-experts-top-10": LayerShape(MoERouteConfig("softmax_topk", 512, 10, shared="gated"), 256,
                                                 (group(4, "mcg", 128), group(4, "mcg", 256, first=512))),
+    "lfm2-moe-expert-bias": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 32, 4, scale=2.5, correction_bias=True), 256,
+                                       (group(4, "mcg", 256),)),
 }
 
 # Published models' MoE layers as the plan sees them (at K=4 mcg): more experts, wider layers and other top-k than the
@@ -57,6 +59,8 @@ MODELS = {
     "mixtral-8x7b": LayerShape(MoERouteConfig("softmax_topk", 8, 2), 4096, (group(4, "mcg", 14336),)),
     "minimax-m2": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 256, 8, correction_bias=True), 3072,
                              (group(4, "mcg", 1536),)),
+    "lfm2-8b-a1b": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 32, 4, correction_bias=True), 2048,
+                              (group(4, "mcg", 1792),)),
 }
 
 

@@ -154,6 +154,7 @@ def assert_stacks_hold_the_experts(src, prep, layer: int) -> None:
     ("qwen3_next", {"full_attention_interval": 2}),  # linear-attention layers' tensors carried as they are
     ("minimax_m2", {"hidden_act": "gelu_pytorch_tanh", "intermediate": 128}),  # the activation kept with each MLP
     ("gpt_oss", {"intermediate": 128}),  # router bias, biased experts, the clamped SwiGLU and its limit
+    ("lfm2_moe", {"dense_layers": (0,), "num_layers": 3}),  # feed_forward blocks, expert_bias, conv layers
 ])
 def test_round_trip_synthetic_moe(tmp_path, arch, extra):
     src = write_checkpoint(tmp_path / "src", ModelSpec(arch=arch, **{**SMALL, **extra}, shards=2))

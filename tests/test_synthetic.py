@@ -16,12 +16,13 @@ from helpers import edit_config, run_cli
 @pytest.mark.parametrize("arch, block, experts_names", [
     ("llama", "mlp", None), ("qwen3_moe", "mlp", "gate_proj"), ("qwen2_moe", "mlp", "gate_proj"),
     ("qwen3_next", "mlp", "gate_proj"), ("mixtral", "block_sparse_moe", "w1"), ("minimax_m2", "block_sparse_moe", "w1"),
-    ("deepseek_v3", "mlp", "gate_proj"), ("gpt_oss", "mlp", "gate_proj"),
+    ("deepseek_v3", "mlp", "gate_proj"), ("gpt_oss", "mlp", "gate_proj"), ("lfm2_moe", "feed_forward", "w1"),
 ])
 def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
     spec = ModelSpec(arch=arch, num_layers=2, num_experts=3, hidden=384, intermediate=200, moe_intermediate=160,
                      shards=2, head_bits=16 if arch == "llama" else 2.5, codebook="mul1",
-                     per_linear={"*.o_proj": (8, "3inst")}, n_group=1,  # 3 experts: not in 2 routing groups
+                     per_linear={"*.o_proj": (8, "3inst"), "*.self_attn.out_proj": (8, "3inst")},
+                     n_group=1,  # 3 experts: not in 2 routing groups
                      full_attention_interval=2)  # qwen3_next: layer 0 linear attention, layer 1 full
     path = write_checkpoint(tmp_path / arch, spec)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -29,8 +30,8 @@ def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
     with exl3tool.open_checkpoint(path) as ckpt:
         assert ckpt.check() == []
         layer = ckpt.layer(1)
-        assert layer.attention.projections["o_proj"].bits == 8
-        assert layer.attention.projections["o_proj"].codebook is Codebook.INST3
+        o_proj = layer.attention.projections["out_proj" if arch == "lfm2_moe" else "o_proj"]  # LFM2's name
+        assert o_proj.bits == 8 and o_proj.codebook is Codebook.INST3
         assert layer.attention.projections["q_proj"].codebook is Codebook.MUL1
         if arch == "llama":
             assert ckpt.head.dtype == "F16"
@@ -42,6 +43,10 @@ def test_every_architecture_reads_back(tmp_path, arch, block, experts_names):
             assert expert.gate.name == f"model.layers.1.{block}.experts.2.{experts_names}"
             expected = spec.intermediate if block == "block_sparse_moe" or arch == "gpt_oss" else spec.moe_intermediate
             assert (expert.gate.in_features, expert.gate.out_features) == (384, expected)
+        if arch == "lfm2_moe":  # layer 0: a short convolution, sized from hidden_size
+            conv = ckpt.layer(0).attention
+            assert conv.kind == "conv" and conv.projections["in_proj"].out_features == 3 * 384
+            assert layer.mlp.correction_bias.name == "model.layers.1.feed_forward.expert_bias"
         if arch == "qwen3_next":  # the gated q_proj; layer 0's linear attention: its two quantized projections
             q = layer.attention.projections["q_proj"]
             assert (q.out_features, q.out_padded, q.dims_from_config) == (2 * 256, 2 * 256, True)

@@ -33,12 +33,14 @@ _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qw
 _ALWAYS_RENORMALISED = frozenset({"mixtral", "gpt_oss"})  # their HF routers have no norm_topk_prob to turn it off
 # (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
 # as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling)
-_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2"}
+_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2", "lfm2_moe"}
 # Model types whose shared expert (`mlp.shared_expert`) is scaled by sigmoid(x @ shared_expert_gate.T)
 GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
 # The router's module name in a MoE block (`<block>.<name>.weight`) where it is not "gate", and the model types
 # whose router adds a bias to its logits (`<block>.<name>.bias`)
 ROUTER_NAMES = {"gpt_oss": "router"}
+# The correction bias's name in a MoE block where it is not DeepSeek-V3's `gate.e_score_correction_bias`
+CORRECTION_BIAS_NAMES = {"lfm2_moe": "expert_bias"}
 # ...and where the model type's routing is not known, the names other converters give it (HY-V3 router.gate,
 # Gemma 4 router.proj): the first one present is shown; none present is no problem, as the name is not known
 ROUTER_NAME_GUESSES = ("gate", "router", "router.gate", "router.proj")
@@ -162,6 +164,7 @@ def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Rou
             scale=r.float("routed_scaling_factor", 0.0, 1e6) or 1.0,
             n_group=r.int("n_group", maximum=MAX_EXPERTS) or 1,
             topk_group=r.int("topk_group", maximum=MAX_EXPERTS) or 1,
+            choice_bias=r.bool("use_expert_bias", True),
         )
     return Routing("unknown", num_experts, top_k, r.bool("norm_topk_prob", False))
 

@@ -2,8 +2,9 @@
 
 Names follow the HF conventions of the common architectures: `<stack>.layers.N.self_attn.*`, dense
 `mlp.{gate,up,down}_proj`, Qwen3-MoE / DeepSeek / GLM `mlp.experts.E.{gate,up,down}_proj`, Mixtral
-`block_sparse_moe.experts.E.{w1,w3,w2}`, shared experts `mlp.shared_expert(s).*` with an optional
-`mlp.shared_expert_gate.weight`, router `<block>.gate.weight`. True dims come from config.json; a padded size
+`block_sparse_moe.experts.E.{w1,w3,w2}`, LFM2 `feed_forward.experts.E.{w1,w3,w2}` (and dense `feed_forward.w1`),
+shared experts `mlp.shared_expert(s).*` with an optional `mlp.shared_expert_gate.weight`, router
+`<block>.gate.weight` (gpt-oss `<block>.router.weight` and `.bias`). True dims come from config.json; a padded size
 that disagrees with them is a problem. Completeness (layers, experts, routers) is checked too.
 """
 
@@ -18,7 +19,7 @@ from exl3tool.format import (
     Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
 from exl3tool.io.config import (
-    CONFIG, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, ROUTER_BIAS_TYPES,
+    CONFIG, CORRECTION_BIAS_NAMES, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, ROUTER_BIAS_TYPES,
     ROUTER_NAME_GUESSES, ROUTER_NAMES, routing_conflict,
 )
 from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
@@ -26,19 +27,20 @@ from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
 # The router, the shared expert's gate and the correction bias: float types the reference and the kernels load
 ROUTER_DTYPES = WIDE_FLOAT_DTYPES
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
-_ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention|linear_attn)\.(?P<proj>[^.]+)$")
-_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+_ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention|linear_attn|conv)\.(?P<proj>[^.]+)$")
+_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 _SHARED = re.compile(r"^(?P<block>mlp)\.(?P<shared>shared_experts?)\.(?P<proj>[^.]+)$")
-_DENSE = re.compile(r"^(?P<block>mlp)\.(?P<proj>[^.]+)$")
+_DENSE = re.compile(r"^(?P<block>mlp|feed_forward)\.(?P<proj>[^.]+)$")
 ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 HEAD = "lm_head"
 _ATTENTION_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3,
-                    "in_proj_qkvz": 0, "in_proj_qkv": 0, "in_proj_z": 1, "out_proj": 3}
+                    "in_proj_qkvz": 0, "in_proj_qkv": 0, "in_proj_z": 1, "in_proj": 0, "out_proj": 3}
 # Architectures whose q/k/v/o_proj sizes follow heads * head_dim; others (e.g. MLA) are not checked.
+SHORT_CONV_TYPES = frozenset({"lfm2", "lfm2_moe"})  # `conv.in_proj` / `conv.out_proj` layers between attention
 STANDARD_ATTENTION = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gemma",
     "gemma2", "gemma3_text", "granite", "granitemoe", "qwen3_vl_moe", "qwen3_vl_moe_text", "minimax_m2", "dots1",
-    "gpt_oss", *GATED_QUERY_TYPES,
+    "gpt_oss", "lfm2", "lfm2_moe", *GATED_QUERY_TYPES,
 })
 
 Dim = tuple[str, int | None]  # (config key that gives it, value)
@@ -107,6 +109,11 @@ class _Builder:
         if module == "linear_attn":
             return self.linear_attention_dims(proj)
         d, model_type = self.dims, self.config.model_type
+        if module == "conv":  # LFM2's short convolution: in_proj gives its B, C and x gates
+            hidden = ("hidden_size", d.hidden)
+            sized = model_type in SHORT_CONV_TYPES
+            in3 = ("3 * hidden_size", 3 * d.hidden if d.hidden else None)
+            return {"in_proj": (hidden, in3), "out_proj": (hidden, hidden)}.get(proj) if sized else None
         if model_type not in STANDARD_ATTENTION or d.head_dim is None:
             return None
         hidden = ("hidden_size", d.hidden)
@@ -116,7 +123,7 @@ class _Builder:
         if model_type in GATED_QUERY_TYPES:  # the output gate's rows follow the queries'
             q_rows = ("2 * num_attention_heads * head_dim", 2 * q[1] if q[1] else None)
         return {"q_proj": (hidden, q_rows), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-                "o_proj": (q, hidden)}.get(proj)
+                "o_proj": (q, hidden), "out_proj": (q, hidden)}.get(proj)  # out_proj: LFM2's o_proj
 
     def linear_attention_dims(self, proj: str) -> tuple[Dim, Dim] | None:
         """A gated delta-net's projections: q and k of the key heads, v and the output gate z of the value heads,
@@ -220,7 +227,8 @@ class _Builder:
         router = self.unquantized.get(f"{name}.{router_name}.weight")
         router_bias = self.unquantized.get(f"{name}.{router_name}.bias") if model_type in ROUTER_BIAS_TYPES else None
         gate = self.unquantized.get(f"{name}.shared_expert_gate.weight") if shared_kind else None
-        bias = self.unquantized.get(f"{name}.gate.e_score_correction_bias")
+        bias_name = CORRECTION_BIAS_NAMES.get(model_type, "gate.e_score_correction_bias")
+        bias = self.unquantized.get(f"{name}.{bias_name}")
         missing = []  # the router, and what this routing or shared expert computes with beside it
         if router is None and known_routing:
             missing.append((f"{router_name}.weight", "a MoE block needs its fp16 router weight"))
@@ -228,8 +236,8 @@ class _Builder:
             usable = False  # a block the reference refuses anyway (routing not known), its router's name unknown
         if model_type in ROUTER_BIAS_TYPES and router_bias is None:
             missing.append((f"{router_name}.bias", f"a {model_type} router adds a bias to its logits"))
-        if routing is not None and routing.method == "sigmoid_noaux_tc" and bias is None:
-            missing.append(("gate.e_score_correction_bias", "sigmoid routing chooses by score + correction bias"))
+        if routing is not None and routing.method == "sigmoid_noaux_tc" and routing.choice_bias and bias is None:
+            missing.append((bias_name, "sigmoid routing chooses by score + correction bias"))
         if shared is not None and model_type in GATED_SHARED_EXPERT_TYPES and gate is None:
             missing.append(("shared_expert_gate.weight", f"a {model_type} shared expert is scaled by its gate"))
         for tensor, why in missing:
@@ -265,7 +273,9 @@ class _Builder:
         mlp = None
         for block, roles in parts.dense.items():
             key_dim = ("intermediate_size", self.dims.intermediate)
-            fixed = {r: self.true_dims(lin, self.mlp_dims(r, *key_dim)) for r, lin in roles.items()}
+            # LFM2's dense feed_forward may be narrower than intermediate_size (HF's block_auto_adjust_ff_dim)
+            sized = block != "feed_forward"
+            fixed = {r: self.true_dims(lin, self.mlp_dims(r, *key_dim) if sized else None) for r, lin in roles.items()}
             built = self.gated(f"{prefix}.{block}", fixed, "dense MLP")
             mlp = mlp or built
             if built is None:

@@ -145,6 +145,9 @@ SYNTHETIC = {
     "qwen3-next-512-experts-top-10": (dict(arch="qwen3_next", hidden=256, moe_intermediate=128,
                                            shared_intermediate=256, num_experts=512, top_k=10, bits=4,
                                            codebook="mcg"), [1, 6, 200]),
+    # LFM2-MoE's routing (sigmoid scores chosen with its expert_bias, scaled by 2.5) in feed_forward blocks
+    "lfm2-moe-expert-bias": (dict(arch="lfm2_moe", hidden=256, moe_intermediate=256, num_experts=32, top_k=4,
+                                  bits=4, codebook="mcg"), [1, 7, 120]),
 }
 
 

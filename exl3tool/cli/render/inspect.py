@@ -62,8 +62,8 @@ def _layer_cells(row: LayerRow) -> list:
     mlp = {"moe": f"MoE {row.experts} experts" + (" + shared" if row.shared_experts else ""),
            "dense": "dense"}.get(row.mlp or "", "-")
     attention = ",".join(name.removeprefix("in_proj_").removesuffix("_proj") for name in row.attention)
-    if row.attention_kind == "linear":
-        attention = f"linear {attention}"
+    if row.attention_kind in ("linear", "conv"):
+        attention = f"{row.attention_kind} {attention}"
     return [str(row.index), safe(attention or "-"), safe(mlp), str(row.linears),
             ", ".join(bits(b) for b in row.bits), safe(", ".join(row.codebooks)), bits(row.effective_bits),
             size(row.bytes)]
