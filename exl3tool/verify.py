@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from exl3tool import selection
-from exl3tool.errors import UnreadableInputError, UsageError
+from exl3tool.errors import UnreadableInputError, UnsupportedFeatureError, UsageError
 from exl3tool.format import GatedMLP, Layer, LinearInfo, MoEBlock
 
 if TYPE_CHECKING:
@@ -284,7 +284,12 @@ def verify(
                 x, source = inputs.get(block.name, width)
                 if moe_path == "fused":
                     layer_moe = model.moe(index, device=gpu)
-                    plan = plan_moe(DeviceMoE.from_layer(layer_moe, gpu), x.shape[0], x.dtype, torch.float32)
+                    try:
+                        device_moe = DeviceMoE.from_layer(layer_moe, gpu)
+                    except UnsupportedFeatureError as err:  # say what runs it instead
+                        raise UnsupportedFeatureError(f"{err.message} (--moe-path per-expert runs it)",
+                                                      path=err.path, tensor=err.tensor) from None
+                    plan = plan_moe(device_moe, x.shape[0], x.dtype, torch.float32)
                     out = moe_forward(x.contiguous(), plan)
                 else:
                     optional = lambda t: None if t is None else model.load_tensor(t.name, gpu)  # noqa: E731
