@@ -306,8 +306,8 @@ def test_expert_shaped_unlike_the_others(moe):
 ])
 def test_missing_what_the_routing_computes_with(tmp_path, arch, model_type, tensor):
     """The router itself (gpt-oss's `router`, with the bias on its logits); and sigmoid routing chooses experts by
-    score + correction bias, a Qwen2-MoE-style shared expert is scaled by its gate: without them the block would compute something else, so it is refused like a
-    block without a router."""
+    score + correction bias (LFM2-MoE's expert_bias), a Qwen2-MoE-style shared expert is scaled by its gate: without
+    them the block would compute something else, so it is refused like a block without a router."""
     path = write_checkpoint(tmp_path / arch, ModelSpec(arch=arch, num_layers=1, n_group=1, embeddings=False))
     edit_config(path, model_type=model_type)
     assert inspect(path)[0] == 0

@@ -19,12 +19,13 @@ from exl3tool.format import (
     Attention, CheckpointModel, FileInfo, GatedMLP, Layer, LinearInfo, ModelConfig, MoEBlock, TensorInfo, padded,
 )
 from exl3tool.io.config import (
-    CONFIG, CORRECTION_BIAS_NAMES, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS, ROUTER_BIAS_TYPES,
-    ROUTER_NAME_GUESSES, ROUTER_NAMES, routing_conflict,
+    CONFIG, CORRECTION_BIAS_NAMES, DENSE_MODEL_TYPES, GATED_QUERY_TYPES, GATED_SHARED_EXPERT_TYPES, MAX_EXPERTS,
+    ROUTER_BIAS_TYPES, ROUTER_NAME_GUESSES, ROUTER_NAMES, routing_conflict,
 )
 from exl3tool.io.safetensors import WIDE_FLOAT_DTYPES
 
-# The router, the shared expert's gate and the correction bias: float types the reference and the kernels load
+# The router (and its bias), the shared expert's gate and the correction bias: float types the reference and the
+# kernels load
 ROUTER_DTYPES = WIDE_FLOAT_DTYPES
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention|linear_attn|conv)\.(?P<proj>[^.]+)$")
@@ -35,8 +36,8 @@ ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate"
 HEAD = "lm_head"
 _ATTENTION_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3,
                     "in_proj_qkvz": 0, "in_proj_qkv": 0, "in_proj_z": 1, "in_proj": 0, "out_proj": 3}
-# Architectures whose q/k/v/o_proj sizes follow heads * head_dim; others (e.g. MLA) are not checked.
 SHORT_CONV_TYPES = frozenset({"lfm2", "lfm2_moe"})  # `conv.in_proj` / `conv.out_proj` layers between attention
+# Architectures whose q/k/v/o_proj sizes follow heads * head_dim; others (e.g. MLA) are not checked.
 STANDARD_ATTENTION = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gemma",
     "gemma2", "gemma3_text", "granite", "granitemoe", "qwen3_vl_moe", "qwen3_vl_moe_text", "minimax_m2", "dots1",
