@@ -152,9 +152,8 @@ class GemmConfig:
             raise ValueError("x_order='doubled' holds the B words of split_halves")
         if self.x_order == "stages" and self.mma != "wgmma":
             raise ValueError("x_order='stages' is the warpgroup-MMA GEMM's shared-memory stage layout")
-        if self.input is not None and (self.input not in ("float16", "bfloat16") or self.token_groups != 1
-                                       or self.k_tiles_per_stage != 8 or self.resident_k_tiles % 8
-                                       or self.resident_k_tiles <= 0):
+        if self.input is not None and (self.input not in ("float16", "bfloat16")
+                                       or not self.takes_input(self.resident_k_tiles)):
             raise ValueError("input (fp16/bf16) is for one token group, 8 k-tiles per stage and resident_k_tiles a "
                              "positive multiple of 8")
         if not 1 <= self.resident_rows <= 8 or (self.resident_rows > 1 and self.input is None):
@@ -170,6 +169,12 @@ class GemmConfig:
         if self.output not in (None, *DTYPES):
             raise ValueError(f"output must be None or one of {', '.join(DTYPES)}")
         check_smem(self, self.smem_bytes, self.mma)
+
+    def takes_input(self, resident_k_tiles: int) -> bool:
+        """Can this GEMM rotate its own input (``input``) over a K split of ``resident_k_tiles`` k-tiles? One token
+        group, 8 k-tiles per stage, and whole stages of them."""
+        return self.token_groups == 1 and self.k_tiles_per_stage == 8 and resident_k_tiles > 0 \
+            and resident_k_tiles % 8 == 0
 
     def _check_wgmma(self):
         if self.token_groups not in (1, 2, 4, 8, 16, 32, 40):

@@ -11,6 +11,7 @@ import pytest
 
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_route import MoERouteConfig
+from exl3tool.ops import moe
 from exl3tool.ops.moe import GroupShape, LayerShape, step_configs
 from exl3tool.ops.runtime import compile_with_ptx
 from exl3tool.ops.targets import typical_sms
@@ -88,6 +89,23 @@ def test_every_step_plans_on_every_arch(name, arch):
             4 - s.fused_intermediate - (step.groups[0].gate_up.input is not None))
         for c in configs_of(step):
             assert getattr(c, "smem_bytes", 0) <= SMEM_LIMIT_BYTES or arch == "sm_90a", (tokens, c)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
+def test_resident_route_rows_plan_where_the_gate_up_stages_take_them(name, arch, monkeypatch):
+    """With RESIDENT_INPUT_TOKENS at 8 (the candidate), every step of 1-8 tokens plans: the gate/up GEMM takes the
+    rows where its stages can (``GemmConfig.takes_input``) and they fit, else the input rotation launches. Found on
+    the H200 (s51): DeepSeek's 256-wide layer at 4 tokens splits K into 4 k-tiles, and the planner raised instead."""
+    monkeypatch.setattr(moe, "RESIDENT_INPUT_TOKENS", 8)
+    d = {**LAYERS, **MODELS}[name]
+    for tokens in range(1, 9):
+        step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")
+        for g in step.groups:
+            resident = g.gate_up.input is not None
+            assert (g.rotation is None) == resident, tokens
+            if resident:
+                assert g.gate_up.resident_rows == tokens and g.gate_up.resident_k_tiles % 8 == 0
 
 
 def test_sm120_plans_128_row_blocks_with_the_intermediate_launch():

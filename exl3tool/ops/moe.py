@@ -505,7 +505,11 @@ def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
 
 def resident_config(g13: MoEGemmConfig, x_dtype: str, per13: int, tokens: int) -> MoEGemmConfig | None:
     """The gate/up GEMM ``g13`` rotating its input itself (``resident_input``): x's rows of ``tokens`` tokens over its
-    K split of ``per13`` k-tiles resident in shared memory, or None where they do not fit beside its weight stages."""
+    K split of ``per13`` k-tiles resident in shared memory, or None where its stages cannot take them
+    (``GemmConfig.takes_input``: e.g. a K split of 4 k-tiles, 256 wide at 4 splits) or they do not fit beside its
+    weight stages."""
+    if not g13.mainloop.takes_input(per13):
+        return None
     try:
         return replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
     except SharedMemoryError:

@@ -344,18 +344,14 @@ def test_plans_without_warpgroup_mmas_match_the_reference(synthetic, name, m, ro
 
 def layer_with(monkeypatch, dmoe, x, settings: dict):
     """(y, the GEMM configs planned, plan) of the layer for x with moe's ``settings`` (a fresh, poisoned plan), y
-    checked to be the same on a second call (arrival counters back at zero) and in graph replay."""
-    made, real = [], moe_ops.gemm_config
-
-    def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
+    checked to be the same on a second call (arrival counters back at zero) and in graph replay. The configs are
+    the ones the plan launches (gate/up and down of each group in launch order), as planned after every later
+    change to gemm_config's (resident rows, weights before the wait)."""
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
             patch.setattr(moe_ops, attribute, value)
-        patch.setattr(moe_ops, "gemm_config", recording)
         plan = plan_moe(dmoe, x.shape[0])
+        made = [c for role, c in plan.configs(x.shape[0], False).kernels() if role in ("gate/up", "down")]
         poison(plan)
         y = moe_forward(x, plan).clone()
         poison(plan)
