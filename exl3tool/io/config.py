@@ -39,12 +39,12 @@ GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe",
 # The router's module name in a MoE block (`<block>.<name>.weight`) where it is not "gate", and the model types
 # whose router adds a bias to its logits (`<block>.<name>.bias`)
 ROUTER_NAMES = {"gpt_oss": "router"}
-# The correction bias's name in a MoE block where it is not DeepSeek-V3's `gate.e_score_correction_bias`
-CORRECTION_BIAS_NAMES = {"lfm2_moe": "expert_bias"}
+ROUTER_BIAS_TYPES = frozenset({"gpt_oss"})
 # ...and where the model type's routing is not known, the names other converters give it (HY-V3 router.gate,
 # Gemma 4 router.proj): the first one present is shown; none present is no problem, as the name is not known
 ROUTER_NAME_GUESSES = ("gate", "router", "router.gate", "router.proj")
-ROUTER_BIAS_TYPES = frozenset({"gpt_oss"})
+# The correction bias's name in a MoE block where it is not DeepSeek-V3's `gate.e_score_correction_bias`
+CORRECTION_BIAS_NAMES = {"lfm2_moe": "expert_bias"}
 # Model types whose gated MLPs compute gpt-oss's clamped SwiGLU whatever hidden_act says (HF's GptOssExperts)
 SWIGLU_OAI_TYPES = frozenset({"gpt_oss"})
 # Model types whose full-attention q_proj also gives the attention output's gate (twice heads * head_dim rows)

@@ -13,6 +13,7 @@ from exl3tool.errors import UnsupportedFeatureError
 from exl3tool.format import ACTIVATION_KINDS, LinearTensors, Routing
 from exl3tool.reference.linear import linear_forward
 
+
 def _swiglu_oai(g: torch.Tensor, u: torch.Tensor, limit: float | None) -> torch.Tensor:
     """gpt-oss (HF GptOssExperts): gate clamped from above, up both ways, (up + 1) * gate * sigmoid(1.702 gate)."""
     if limit:
