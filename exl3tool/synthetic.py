@@ -131,6 +131,8 @@ BLOCK_SPARSE_MOE = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.N.w1 / 
 MOE_BLOCK_NAMES = {**{a: "block_sparse_moe" for a in BLOCK_SPARSE_MOE}, "lfm2_moe": "feed_forward"}
 W_NAMED_EXPERTS = (*BLOCK_SPARSE_MOE, "lfm2_moe")  # experts (and LFM2's dense MLPs) named w1 / w3 / w2
 W_NAMES = ("w1", "w3", "w2")
+PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
+INTERMEDIATE_WIDE_EXPERTS = (*BLOCK_SPARSE_MOE, "gpt_oss")  # experts `intermediate` wide, not `moe_intermediate`
 GATED_SHARED_EXPERT = tuple(a for a in ARCHITECTURES if a in GATED_SHARED_EXPERT_TYPES)  # mlp.shared_expert
 
 
@@ -242,8 +244,7 @@ class _Writer:
         g = torch.Generator().manual_seed(self.seed)
         self.modules.append({name: (torch.randn(shape, generator=g) * scale).to(dtype)})
 
-    def mlp(self, prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj"),
-            bias: bool = False) -> None:
+    def mlp(self, prefix: str, hidden: int, inter: int, names=PROJ_NAMES, bias: bool = False) -> None:
         gate, up, down = names
         self.linear(f"{prefix}.{gate}", hidden, inter, bias=bias)
         self.linear(f"{prefix}.{up}", hidden, inter, bias=bias)
@@ -274,22 +275,21 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
                 w.plain(f"{p}.self_attn.sinks", (spec.num_heads,), scale=1.0)
         w.plain(f"{p}.post_attention_layernorm.weight", (h,), scale=1.0)
         block = f"{p}.{MOE_BLOCK_NAMES.get(spec.arch, 'mlp')}"
-        names = W_NAMES if spec.arch in W_NAMED_EXPERTS else ("gate_proj", "up_proj", "down_proj")
+        names = W_NAMES if spec.arch in W_NAMED_EXPERTS else PROJ_NAMES
         if not spec.moe or i in spec.dense_layers:
-            w.mlp(block if spec.arch == "lfm2_moe" else f"{p}.mlp", h, spec.intermediate, names)
+            if spec.arch == "lfm2_moe":  # LFM2's dense MLP takes its MoE blocks' names
+                w.mlp(block, h, spec.intermediate, names)
+            else:
+                w.mlp(f"{p}.mlp", h, spec.intermediate)
             continue
         if spec.arch == "gpt_oss":  # HF's GptOssTopKRouter: bf16 weight and bias
             w.plain(f"{block}.router.weight", (spec.num_experts, h), scale=0.5)
             w.plain(f"{block}.router.bias", (spec.num_experts,), scale=0.5)
         else:
             w.plain(f"{block}.gate.weight", (spec.num_experts, h), torch.float16, scale=0.5)
+        width = spec.intermediate if spec.arch in INTERMEDIATE_WIDE_EXPERTS else spec.moe_intermediate
         for e in range(spec.num_experts):
-            if spec.arch == "gpt_oss":
-                w.mlp(f"{block}.experts.{e}", h, spec.intermediate, bias=True)
-            elif spec.arch in BLOCK_SPARSE_MOE:
-                w.mlp(f"{block}.experts.{e}", h, spec.intermediate, names)
-            else:
-                w.mlp(f"{block}.experts.{e}", h, spec.moe_intermediate, names)
+            w.mlp(f"{block}.experts.{e}", h, width, names, bias=spec.arch == "gpt_oss")
         if spec.arch in GATED_SHARED_EXPERT:
             w.mlp(f"{block}.shared_expert", h, spec.shared_intermediate)
             w.plain(f"{block}.shared_expert_gate.weight", (1, h), torch.float16, scale=0.5)

@@ -53,6 +53,10 @@ from .trellis import X_ORDERS, TrellisPlan
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
 WGMMA_SMEM_LIMIT_BYTES = 227 * 1024  # the warpgroup-MMA GEMM runs on sm_90a only: its per-CTA limit
 MMAS = ("sync", "wgmma")
+# fp32 words per token row of the output tile the warpgroup-MMA GEMM's fused epilogue stages in shared memory: 128
+# columns + 4, so that the MMA layout's stores (lanes: 8 columns x 4 token pairs) hit 32 distinct banks.
+TILE_PITCH = 132
+ROTATE_BATCH_ROWS = 8  # rows of that tile a warp loads before it rotates them
 
 
 class SharedMemoryError(ValueError):
@@ -64,10 +68,6 @@ def check_smem(config, smem_bytes: int, mma: str) -> None:
     limit = WGMMA_SMEM_LIMIT_BYTES if mma == "wgmma" else SMEM_LIMIT_BYTES
     if smem_bytes > limit:
         raise SharedMemoryError(f"{config} needs {smem_bytes} bytes of shared memory (limit {limit})")
-# fp32 words per token row of the output tile the warpgroup-MMA GEMM's fused epilogue stages in shared memory: 128
-# columns + 4, so that the MMA layout's stores (lanes: 8 columns x 4 token pairs) hit 32 distinct banks.
-TILE_PITCH = 132
-ROTATE_BATCH_ROWS = 8  # rows of that tile a warp loads before it rotates them
 
 
 @dataclass(frozen=True)
