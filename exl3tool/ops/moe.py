@@ -249,12 +249,13 @@ CONTIGUOUS_GROUP_ROWS = True
 # one-token GEMMs (the down GEMM's top-k sum then counts in at mSumCounter), and lost: 24.73 -> 26.18 (s40; down's CTAs
 # launch early and spin beside gate/up).
 READY_COUNTERS_MIN_TOKENS = 4
-# Up to this many tokens (one) the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh,
-# while its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1). Up to 8 the
-# GEMM can also take each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a
-# token go to distinct experts, so an expert's routes fit one 8-row block): built in s49 without a GPU, y expected
-# bit-identical to the rotation launch's; not measured yet, so off (the candidate for M = 2-4: 4).
-RESIDENT_INPUT_TOKENS = 1
+# Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
+# its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
+# takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
+# distinct experts, so an expert's routes fit one 8-row block), y bit-identical to the launch's. H100, E=128 top-8
+# 2048x768 K=4 mcg, layer graph, 3 rounds, us: M=2 34.89 -> 34.15, M=3 44.11 -> 43.73, M=4 52.33 -> 51.82; 8 lost
+# (M=6 61.90 -> 80.61, M=8 77.75 -> 97.22: 6-8 rows of x beside the weight stages leave fewer of them) (s52).
+RESIDENT_INPUT_TOKENS = 4
 # Up to this many tokens (one) the down GEMM's last CTA per 128 columns does the top-k sum instead of a TopKSum
 # launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count).
 FUSED_TOPK_TOKENS = 1

@@ -289,14 +289,17 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
         assert not outs[-1].isnan().any() and all(torch.equal(y, outs[-1]) for y in outs)
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (2, 3, 4)), ("k3.5-mul1-shared-gated", (2, 4)),
-                                     ("two-groups-k3-k5", (2, 3)), ("deepseek-grouped-sigmoid", (4,))])
-def test_resident_route_rows_change_no_bit(synthetic, name, ms, monkeypatch):
+@pytest.mark.parametrize("name,ms,rotated", [("qwen3-30b-shape-k4-mcg", (2, 3, 4), ()),
+                                             ("k3.5-mul1-shared-gated", (2, 4), ()), ("two-groups-k3-k5", (2, 3), ()),
+                                             ("deepseek-grouped-sigmoid", (3, 4), (4,))])
+def test_resident_route_rows_change_no_bit(synthetic, name, ms, rotated, monkeypatch):
     """Up to RESIDENT_INPUT_TOKENS tokens (here 4) the gate/up GEMM rotates the x of each route block's rows itself
     (MoEGemmConfig.resident_rows: each route in the row of its rank) instead of a RouteInputRotation launch, and
     records route_row / row_route: y bit-identical to the launch's (each on NaN-poisoned scratch, again on a second
     call and in a graph replay: ``layer_with``), every route's row holding it, one launch fewer per group (and none
-    fewer for the caller's routes, which may repeat an expert), shared experts' group included."""
+    fewer for the caller's routes, which may repeat an expert), shared experts' group included. At the token counts
+    in ``rotated`` the gate/up stages cannot take the rows (DeepSeek's 256-wide layer at 4 tokens: a K split of 4
+    k-tiles, ``GemmConfig.takes_input``) and the input rotation launches as with RESIDENT_INPUT_TOKENS 1."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
@@ -304,6 +307,7 @@ def test_resident_route_rows_change_no_bit(synthetic, name, ms, monkeypatch):
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs, launches = [], []
+        takes = m not in rotated
         for resident in (4, 1):
             y, _, plan = layer_with(monkeypatch, dmoe, x, {"RESIDENT_INPUT_TOKENS": resident})
             route_row = plan.route_row[: m * k].long()
@@ -311,12 +315,12 @@ def test_resident_route_rows_change_no_bit(synthetic, name, ms, monkeypatch):
             with monkeypatch.context() as patch:
                 patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident)
                 made = [c.gate_up for c in plan.configs(m, False).groups]
-                assert all(c.resident_rows == (m if resident > 1 else 1) for c in made)
-                assert all((c.input is not None) == (resident > 1) for c in made)
+                assert all(c.resident_rows == (m if resident > 1 and takes else 1) for c in made)
+                assert all((c.input is not None) == (resident > 1 and takes) for c in made)
                 launches.append((plan.launches(m), plan.launches(m, True)))
             outs.append(y)
         assert torch.equal(outs[0], outs[1]), m
-        assert launches[0] == (launches[1][0] - groups, launches[1][1]), (m, launches)
+        assert launches[0] == (launches[1][0] - groups * takes, launches[1][1]), (m, launches)
         ids, weights = (t.clone() for t in routes(plan, m))
         assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
