@@ -346,16 +346,22 @@ def test_plans_without_warpgroup_mmas_match_the_reference(synthetic, name, m, ro
     assert rel(y, reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
+def launched_gemms(plan, m: int, *given: bool) -> list:
+    """The GEMM configs ``plan`` launches at ``m`` tokens (gate/up and down of each group in launch order) for the
+    router's routes and / or given ones: as planned, after every later change to gemm_config's (resident rows,
+    weights before the wait). Call it where the plan's settings are patched: configs are planned on first use."""
+    return [c for g in given for role, c in plan.configs(m, g).kernels() if role in ("gate/up", "down")]
+
+
 def layer_with(monkeypatch, dmoe, x, settings: dict):
     """(y, the GEMM configs planned, plan) of the layer for x with moe's ``settings`` (a fresh, poisoned plan), y
-    checked to be the same on a second call (arrival counters back at zero) and in graph replay. The configs are
-    the ones the plan launches (gate/up and down of each group in launch order), as planned after every later
-    change to gemm_config's (resident rows, weights before the wait)."""
+    checked to be the same on a second call (arrival counters back at zero) and in graph replay; the configs are
+    ``launched_gemms``'."""
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
             patch.setattr(moe_ops, attribute, value)
         plan = plan_moe(dmoe, x.shape[0])
-        made = [c for role, c in plan.configs(x.shape[0], False).kernels() if role in ("gate/up", "down")]
+        made = launched_gemms(plan, x.shape[0], False)
         poison(plan)
         y = moe_forward(x, plan).clone()
         poison(plan)
@@ -692,15 +698,14 @@ def given_routes(m: int, k: int, e: int, edges: list[int]) -> torch.Tensor:
 
 
 def routed_and_given(monkeypatch, dmoe, x, given, weights, settings: dict):
-    """((y for the router's routes, those routes' ids, y for the ``given`` ones), plan, GEMM configs planned) of the
-    layer with moe's ``settings``: a fresh plan, NaN-poisoned before each call."""
-    made, real = [], moe_ops.gemm_config
+    """((y for the router's routes, those routes' ids, y for the ``given`` ones), plan, ``launched_gemms`` for both)
+    of the layer with moe's ``settings``: a fresh plan, NaN-poisoned before each call."""
     m = x.shape[0]
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
             patch.setattr(moe_ops, attribute, value)
-        patch.setattr(moe_ops, "gemm_config", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
         plan = plan_moe(dmoe, m)
+        made = launched_gemms(plan, m, False, True)
         poison(plan)
         routed = moe_forward(x, plan).clone()
         ids = routes(plan, m)[0].clone()
@@ -776,25 +781,17 @@ def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
         pytest.skip("mbarrier stages are a pipeline of the warpgroup-MMA loop (sm_90a)")
-    made, real = [], moe_ops.gemm_config
-
-    def recording(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
     for m, rows in ((4096, 320), (1024, 64)):
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for min_rows in (rows, 1 << 30):
             with monkeypatch.context() as patch:
                 patch.setattr(moe_ops, "MBARRIER_MIN_ROWS", min_rows)
-                patch.setattr(moe_ops, "gemm_config", recording)
-                made.clear()
                 plan = plan_moe(dmoe, m)
                 poison(plan)
                 outs.append(moe_forward(x, plan).clone())
                 assert plan.step(m, False).shape.block_rows == rows
-                wgmma = [c for c in made if c.mma == "wgmma"]
+                wgmma = [c for c in launched_gemms(plan, m, False) if c.mma == "wgmma"]
                 assert wgmma and all(c.mbarriers == (min_rows == rows) for c in wgmma)
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), m
 
