@@ -284,6 +284,9 @@ class ModelDims:
 
     hidden: int | None = None
     intermediate: int | None = None
+    # The dense MLPs' width and what config.json calls it: intermediate_size, but LFM2's derived (``_feed_forward``)
+    dense_intermediate: int | None = None
+    dense_intermediate_key: str = "intermediate_size"
     moe_intermediate: int | None = None
     shared_expert_intermediate: int | None = None
     num_heads: int | None = None

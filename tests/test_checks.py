@@ -245,6 +245,54 @@ def test_padded_size_disagrees_with_config(dense):
     assert "intermediate_size = 520" in p["message"]
 
 
+@pytest.mark.parametrize("values, width, said", [
+    ({"intermediate_size": 12288, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256}, 8192,  # LFM2-1.2B
+     "2/3 of intermediate_size times block_ffn_dim_multiplier, rounded up to block_multiple_of"),
+    ({"block_ff_dim": 6656, "intermediate_size": 1}, 4608, "2/3 of block_ff_dim"),  # LFM2-350M: 4437 rounds up
+    ({"intermediate_size": 6656, "block_ffn_dim_multiplier": None}, 4437, "2/3 of intermediate_size ("),
+    ({"intermediate_size": 6656, "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 128}, 6656, "rounded up"),
+    ({"intermediate_size": 6656, "block_auto_adjust_ff_dim": False}, 6656, "intermediate_size"),
+])
+def test_lfm2_feed_forward_width_as_hf_derives_it(tmp_path, values, width, said):
+    """LFM2's dense feed_forward is sized as HF's Lfm2MLP sizes it: 2/3 of intermediate_size (LiquidAI's block_ff_dim
+    first), then times block_ffn_dim_multiplier (1.0 when absent) rounded up to block_multiple_of, rounding only where
+    the multiplier is set; block_auto_adjust_ff_dim false keeps intermediate_size. LFM2-MoE's dense layers are not
+    adjusted."""
+    from exl3tool.io.config import read_config
+
+    def dims(model_type):
+        quant = {"quant_method": "exl3", "bits": 4.0}
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 2048,
+                                                          "quantization_config": quant, **values}))
+        return read_config(tmp_path)[0].dims
+
+    assert (dims("lfm2").dense_intermediate, said in dims("lfm2").dense_intermediate_key) == (width, True)
+    moe = dims("lfm2_moe")
+    assert (moe.dense_intermediate, moe.dense_intermediate_key) == (values.get("intermediate_size"), "intermediate_size")
+
+
+def test_lfm2_moe_dense_feed_forward_is_sized_from_intermediate_size(tmp_path):
+    """An LFM2-MoE dense layer's feed_forward w1 / w3 / w2 are checked against intermediate_size (as its MoE
+    blocks' experts are against moe_intermediate_size); as LFM2, 2/3 of it."""
+    path = write_checkpoint(tmp_path / "lfm2", ModelSpec(arch="lfm2_moe", num_layers=2, dense_layers=(0,),
+                                                         intermediate=384, embeddings=False))
+    code, report, _, _ = inspect(path)
+    assert code == 0, report["problems"]
+    with exl3tool.open_checkpoint(path) as ckpt:
+        mlp = ckpt.layer(0).mlp
+        assert mlp.down.in_features == 384 and mlp.down.dims_from_config
+    edit_config(path, intermediate_size=520)  # pads to 640, the trellis says 384
+    p = assert_problem(path, "config-dims", FILE, "model.layers.0.feed_forward.w1.trellis")
+    assert "intermediate_size = 520" in p["message"]
+    edit_config(path, model_type="lfm2", intermediate_size=576, block_multiple_of=128, num_experts=None)
+    with exl3tool.open_checkpoint(path) as ckpt:  # 2/3 of 576 = 384
+        assert ckpt.config.dims.dense_intermediate == 384
+    edit_config(path, intermediate_size=384)  # 2/3 = 256
+    p = assert_problem(path, "config-dims", FILE, "model.layers.0.feed_forward.w1.trellis")
+    assert "2/3 of intermediate_size times block_ffn_dim_multiplier, rounded up to block_multiple_of = 256" in \
+        p["message"]
+
+
 @pytest.mark.parametrize("key, value, tensor, said", [
     ("linear_num_value_heads", 8, "model.layers.0.linear_attn.in_proj_qkvz.trellis",  # 2*64 + 2*256 pads to 640
      "2 * linear_num_key_heads * linear_key_head_dim + 2 * linear_num_value_heads * linear_value_head_dim = 640"),

@@ -125,15 +125,38 @@ def _text_config(data: dict) -> dict:
     return text if isinstance(text, dict) and "hidden_size" not in data else data
 
 
-def _dims(r: _Reader) -> ModelDims:
+def _feed_forward(r: _Reader, model_type: str | None) -> tuple[str, int | None]:
+    """(what config.json calls it, the width) of the dense MLPs. LFM2's (HF's Lfm2MLP) derives it from
+    intermediate_size (block_ff_dim in LiquidAI's configs): two thirds of it where block_auto_adjust_ff_dim (the
+    default), then times block_ffn_dim_multiplier (default 1.0) rounded up to block_multiple_of (default 256) where
+    that multiplier is set, as HF rounds only then. LFM2-MoE's dense layers and every other type: intermediate_size."""
+    if model_type != "lfm2":
+        return "intermediate_size", r.int("intermediate_size")
+    key = "block_ff_dim" if r.data.get("block_ff_dim") is not None else "intermediate_size"
+    width = r.int(key)
+    if width is None or not r.bool("block_auto_adjust_ff_dim", True):
+        return key, width
+    width = int(2 * width / 3)
+    multiplier = r.float("block_ffn_dim_multiplier", 0.0, 1e6) if "block_ffn_dim_multiplier" in r.data else 1.0
+    if multiplier is None:
+        return f"2/3 of {key} (block_auto_adjust_ff_dim)", width
+    multiple = r.int("block_multiple_of") or 256
+    width = multiple * math.ceil(int(multiplier * width) / multiple)
+    return f"2/3 of {key} times block_ffn_dim_multiplier, rounded up to block_multiple_of", width
+
+
+def _dims(r: _Reader, model_type: str | None) -> ModelDims:
     hidden = r.int("hidden_size")
     heads = r.int("num_attention_heads")
     head_dim = r.int("head_dim")
     if head_dim is None and hidden and heads and hidden % heads == 0:
         head_dim = hidden // heads
+    dense_key, dense_width = _feed_forward(r, model_type)
     return ModelDims(
         hidden=hidden,
         intermediate=r.int("intermediate_size"),
+        dense_intermediate_key=dense_key,
+        dense_intermediate=dense_width,
         moe_intermediate=r.int("moe_intermediate_size"),
         shared_expert_intermediate=r.int("shared_expert_intermediate_size"),
         num_heads=heads,
@@ -230,7 +253,7 @@ def read_config(root: Path) -> tuple[ModelConfig, list[Problem]]:
     elif architectures is not None:
         top._bad("architectures", architectures, "a list of names")
     model_type = r.str("model_type") if r.data.get("model_type") is not None else top.str("model_type")
-    dims = _dims(r)
+    dims = _dims(r, model_type)
     quant = _quant(qc, problems, CONFIG)
     side = root / QUANT_CONFIG
     if side.exists():

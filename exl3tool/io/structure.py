@@ -273,10 +273,8 @@ class _Builder:
                 other.extend(fixed.values())
         mlp = None
         for block, roles in parts.dense.items():
-            key_dim = ("intermediate_size", self.dims.intermediate)
-            # LFM2's dense feed_forward may be narrower than intermediate_size (HF's block_auto_adjust_ff_dim)
-            sized = block != "feed_forward"
-            fixed = {r: self.true_dims(lin, self.mlp_dims(r, *key_dim) if sized else None) for r, lin in roles.items()}
+            key_dim = (self.dims.dense_intermediate_key, self.dims.dense_intermediate)
+            fixed = {r: self.true_dims(lin, self.mlp_dims(r, *key_dim)) for r, lin in roles.items()}
             built = self.gated(f"{prefix}.{block}", fixed, "dense MLP")
             mlp = mlp or built
             if built is None:
