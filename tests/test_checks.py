@@ -266,8 +266,8 @@ def test_lfm2_feed_forward_width_as_hf_derives_it(tmp_path, values, width, said)
                                                           "quantization_config": quant, **values}))
         return read_config(tmp_path)[0].dims
 
-    assert (dims("lfm2").dense_intermediate, said in dims("lfm2").dense_intermediate_key) == (width, True)
-    moe = dims("lfm2_moe")
+    lfm2, moe = dims("lfm2"), dims("lfm2_moe")
+    assert lfm2.dense_intermediate == width and said in lfm2.dense_intermediate_key
     assert (moe.dense_intermediate, moe.dense_intermediate_key) == (values.get("intermediate_size"), "intermediate_size")
 
 

@@ -356,7 +356,7 @@ def launched_gemms(plan, m: int, *given: bool) -> list:
 def layer_with(monkeypatch, dmoe, x, settings: dict):
     """(y, the GEMM configs planned, plan) of the layer for x with moe's ``settings`` (a fresh, poisoned plan), y
     checked to be the same on a second call (arrival counters back at zero) and in graph replay; the configs are
-    ``launched_gemms``'."""
+    ``launched_gemms(plan, M, False)``."""
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
             patch.setattr(moe_ops, attribute, value)
