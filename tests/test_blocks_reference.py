@@ -244,6 +244,73 @@ def test_deepseek_like_model_types_route_as_deepseek_v3(tmp_path, model_type):
         assert torch.equal(ckpt.reference_forward("model.layers.0.mlp", x), want)
 
 
+def rename_tensors(path, renames: dict[str, str]) -> None:
+    """Move every tensor whose name starts with a key of ``renames`` to the same name under its value."""
+    from safetensors import safe_open
+
+    moved = {}
+    for shard in sorted(path.glob("model*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                old = next((o for o in renames if name.startswith(o)), None)
+                if old is not None:
+                    moved[name] = (renames[old] + name[len(old):], f.get_tensor(name))
+    edit_checkpoint(path, drop=list(moved), add=dict(moved.values()))
+
+
+# model type: (block, tensor renames from DeepSeek-V3's, config.json keys from DeepSeek-V3's: value or None to drop)
+# as ExLlamaV3 1.6.5's architectures name them (their router "dots", Ling's "ds3")
+DEEPSEEK_RENAMED = {
+    "glm_moe_dsa": ("mlp", {}, {}),
+    "mimo_v2": ("mlp", {}, {}),
+    "hy_v3": ("mlp", {"model.layers.0.mlp.gate.weight": "model.layers.0.mlp.router.gate.weight",
+                      "model.layers.0.mlp.gate.e_score_correction_bias": "model.layers.0.mlp.expert_bias",
+                      "model.layers.0.mlp.shared_experts.": "model.layers.0.mlp.shared_mlp."},
+              {"routed_scaling_factor": None, "router_scaling_factor": 2.5, "n_shared_experts": None,
+               "num_shared_experts": 1, "norm_topk_prob": None, "route_norm": True}),
+    "afmoe": ("mlp", {"model.layers.0.mlp.gate.weight": "model.layers.0.mlp.router.gate.weight",
+                      "model.layers.0.mlp.gate.e_score_correction_bias": "model.layers.0.mlp.expert_bias"},
+              {"routed_scaling_factor": None, "route_scale": 2.5, "n_shared_experts": None, "num_shared_experts": 1}),
+    "laguna": ("mlp", {"model.layers.0.mlp.gate.e_score_correction_bias":
+                       "model.layers.0.mlp.experts.e_score_correction_bias",
+                       "model.layers.0.mlp.shared_experts.": "model.layers.0.mlp.shared_expert."},
+               {"routed_scaling_factor": None, "moe_routed_scaling_factor": 2.5, "n_shared_experts": None,
+                "shared_expert_intermediate_size": 128}),
+    "bailing_hybrid": ("mlp", {"model.layers.0.mlp.gate.e_score_correction_bias": "model.layers.0.mlp.gate.expert_bias"},
+                       {"n_shared_experts": None, "num_shared_experts": 1}),
+    "kimi_linear": ("block_sparse_moe",
+                    {**{f"model.layers.0.mlp.experts.{e}.{a}.": f"model.layers.0.block_sparse_moe.experts.{e}.{b}."
+                        for e in range(8) for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))},
+                     "model.layers.0.mlp.": "model.layers.0.block_sparse_moe."},
+                    {"n_routed_experts": None, "num_experts": 8, "num_experts_per_tok": None, "num_experts_per_token": 3,
+                     "n_group": None, "num_expert_group": 2, "n_shared_experts": None, "num_shared_experts": 1,
+                     "norm_topk_prob": None, "moe_renormalize": True}),
+}
+
+
+@pytest.mark.parametrize("model_type", list(DEEPSEEK_RENAMED))
+def test_deepseek_routed_model_types_by_their_own_names(tmp_path, model_type):
+    """GLM-5 (glm_moe_dsa), MiMo-V2, HY-V3, AFMoE, Laguna, Ling (bailing_hybrid) and Kimi-Linear route as DeepSeek-V3
+    does (ExLlamaV3's "dots" router, Ling's "ds3" with routing groups) under their own tensor and config names: the
+    same routing, no problem reported, the same block output bit for bit. Bailing and Kimi keep two routing groups."""
+    grouped = model_type in ("bailing_hybrid", "kimi_linear")
+    path = write_checkpoint(tmp_path / "ds", ModelSpec(
+        arch="deepseek_v3", num_layers=1, num_experts=8, top_k=3, n_group=2 if grouped else 1, topk_group=1,
+        moe_intermediate=128, num_shared_experts=1, embeddings=False))
+    x = torch.randn(4, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        routing, want = ckpt.block("model.layers.0.mlp").routing, ckpt.reference_forward("model.layers.0.mlp", x)
+    assert routing.scale == 2.5 and routing.n_group == (2 if grouped else 1) and routing.normalize
+    block, renames, keys = DEEPSEEK_RENAMED[model_type]
+    rename_tensors(path, renames)
+    edit_config(path, model_type=model_type, **keys)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert ckpt.check() == []
+        moe = ckpt.block(f"model.layers.0.{block}")
+        assert moe.routing == routing and moe.shared_experts is not None and moe.correction_bias is not None
+        assert torch.equal(ckpt.reference_forward(moe.name, x), want)
+
+
 def test_wrong_input_width_is_a_usage_error(tmp_path):
     path = write_checkpoint(tmp_path / "w", ModelSpec(num_layers=1, embeddings=False))
     with exl3tool.open_checkpoint(path) as ckpt:

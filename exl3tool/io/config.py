@@ -32,19 +32,26 @@ _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qw
                  "mixtral": True, "minimax": True, "gpt_oss": True}
 _ALWAYS_RENORMALISED = frozenset({"mixtral", "gpt_oss"})  # their HF routers have no norm_topk_prob to turn it off
 # (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
-# as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling)
-_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2", "lfm2_moe"}
+# as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling; as ExLlamaV3 1.6.5 runs them:
+# its "dots" router, Ling's (bailing_hybrid) "ds3")
+_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2", "lfm2_moe",
+                  "glm_moe_dsa", "mimo_v2", "kimi_linear", "bailing_hybrid", "hy_v3", "afmoe", "laguna"}
+# Their config.json keys where they are not DeepSeek-V3's: (key, default) of the scale, the renormalisation's key
+_SCALE_KEYS = {"hy_v3": ("router_scaling_factor", 2.826), "afmoe": ("route_scale", 1.0),
+               "laguna": ("moe_routed_scaling_factor", 1.0)}
+_NORMALIZE_KEYS = {"hy_v3": "route_norm", "afmoe": "route_norm", "kimi_linear": "moe_renormalize"}
 # Model types whose shared expert (`mlp.shared_expert`) is scaled by sigmoid(x @ shared_expert_gate.T)
 GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
 # The router's module name in a MoE block (`<block>.<name>.weight`) where it is not "gate", and the model types
 # whose router adds a bias to its logits (`<block>.<name>.bias`)
-ROUTER_NAMES = {"gpt_oss": "router"}
+ROUTER_NAMES = {"gpt_oss": "router", "hy_v3": "router.gate", "afmoe": "router.gate"}
 ROUTER_BIAS_TYPES = frozenset({"gpt_oss"})
-# ...and where the model type's routing is not known, the names other converters give it (HY-V3 router.gate,
-# Gemma 4 router.proj): the first one present is shown; none present is no problem, as the name is not known
+# ...and where the model type's routing is not known, the names others give it (HY-V3's and AFMoE's router.gate,
+# Gemma 4's router.proj): the first one present is shown; none present is no problem, as the name is not known
 ROUTER_NAME_GUESSES = ("gate", "router", "router.gate", "router.proj")
 # The correction bias's name in a MoE block where it is not DeepSeek-V3's `gate.e_score_correction_bias`
-CORRECTION_BIAS_NAMES = {"lfm2_moe": "expert_bias"}
+CORRECTION_BIAS_NAMES = {"lfm2_moe": "expert_bias", "hy_v3": "expert_bias", "afmoe": "expert_bias",
+                         "bailing_hybrid": "gate.expert_bias", "laguna": "experts.e_score_correction_bias"}
 # Model types whose gated MLPs compute gpt-oss's clamped SwiGLU whatever hidden_act says (HF's GptOssExperts)
 SWIGLU_OAI_TYPES = frozenset({"gpt_oss"})
 # Model types whose full-attention q_proj also gives the attention output's gate (twice heads * head_dim rows)
@@ -166,7 +173,7 @@ def _dims(r: _Reader, model_type: str | None) -> ModelDims:
         num_layers=r.int("num_hidden_layers", maximum=MAX_LAYERS),
         extra_layers=r.int("num_nextn_predict_layers", minimum=0, maximum=MAX_LAYERS) or 0,
         num_experts=r.int("num_experts", "num_local_experts", "n_routed_experts", maximum=MAX_EXPERTS),
-        num_shared_experts=r.int("n_shared_experts", maximum=MAX_EXPERTS),
+        num_shared_experts=r.int("n_shared_experts", "num_shared_experts", maximum=MAX_EXPERTS),
         linear_key_heads=r.int("linear_num_key_heads"),
         linear_value_heads=r.int("linear_num_value_heads"),
         linear_key_head_dim=r.int("linear_key_head_dim"),
@@ -177,15 +184,16 @@ def _dims(r: _Reader, model_type: str | None) -> ModelDims:
 def _routing(r: _Reader, model_type: str | None, num_experts: int | None) -> Routing | None:
     if not num_experts:
         return None
-    top_k = r.int("num_experts_per_tok", "moe_topk", maximum=MAX_EXPERTS) or 1
+    top_k = r.int("num_experts_per_tok", "num_experts_per_token", "moe_topk", maximum=MAX_EXPERTS) or 1
     if model_type in _SOFTMAX_TOPK:
         normalize = model_type in _ALWAYS_RENORMALISED or r.bool("norm_topk_prob", _SOFTMAX_TOPK[model_type])
         return Routing("softmax_topk", num_experts, top_k, normalize)
     if model_type in _SIGMOID_NOAUX:
+        scale_key, scale = _SCALE_KEYS.get(model_type, ("routed_scaling_factor", 1.0))
         return Routing(
-            "sigmoid_noaux_tc", num_experts, top_k, r.bool("norm_topk_prob", True),
-            scale=r.float("routed_scaling_factor", 0.0, 1e6) or 1.0,
-            n_group=r.int("n_group", maximum=MAX_EXPERTS) or 1,
+            "sigmoid_noaux_tc", num_experts, top_k, r.bool(_NORMALIZE_KEYS.get(model_type, "norm_topk_prob"), True),
+            scale=r.float(scale_key, 0.0, 1e6) or scale,
+            n_group=r.int("n_group", "num_expert_group", maximum=MAX_EXPERTS) or 1,
             topk_group=r.int("topk_group", maximum=MAX_EXPERTS) or 1,
             choice_bias=r.bool("use_expert_bias", True),
         )

@@ -3,8 +3,9 @@
 Names follow the HF conventions of the common architectures: `<stack>.layers.N.self_attn.*`, dense
 `mlp.{gate,up,down}_proj`, Qwen3-MoE / DeepSeek / GLM `mlp.experts.E.{gate,up,down}_proj`, Mixtral
 `block_sparse_moe.experts.E.{w1,w3,w2}`, LFM2 `feed_forward.experts.E.{w1,w3,w2}` (and dense `feed_forward.w1`),
-shared experts `mlp.shared_expert(s).*` with an optional `mlp.shared_expert_gate.weight`, router
-`<block>.gate.weight` (gpt-oss `<block>.router.weight` and `.bias`). True dims come from config.json; a padded size
+shared experts `mlp.shared_expert(s).*` (HY-V3 `mlp.shared_mlp`, Kimi-Linear `block_sparse_moe.shared_experts`) with
+an optional `mlp.shared_expert_gate.weight`, router `<block>.gate.weight` (gpt-oss `<block>.router.weight` and
+`.bias`, HY-V3 and AFMoE `<block>.router.gate.weight`). True dims come from config.json; a padded size
 that disagrees with them is a problem. Completeness (layers, experts, routers) is checked too.
 """
 
@@ -30,7 +31,7 @@ ROUTER_DTYPES = WIDE_FLOAT_DTYPES
 _LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _ATTENTION = re.compile(r"^(?P<module>self_attn|attn|attention|linear_attn|conv)\.(?P<proj>[^.]+)$")
 _EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
-_SHARED = re.compile(r"^(?P<block>mlp)\.(?P<shared>shared_experts?)\.(?P<proj>[^.]+)$")
+_SHARED = re.compile(r"^(?P<block>mlp|block_sparse_moe)\.(?P<shared>shared_experts?|shared_mlp)\.(?P<proj>[^.]+)$")
 _DENSE = re.compile(r"^(?P<block>mlp|feed_forward)\.(?P<proj>[^.]+)$")
 ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 HEAD = "lm_head"
