@@ -311,6 +311,27 @@ def test_deepseek_routed_model_types_by_their_own_names(tmp_path, model_type):
         assert torch.equal(ckpt.reference_forward(moe.name, x), want)
 
 
+def test_mistral4_routes_by_softmax_with_deepseek_names(tmp_path):
+    """Mistral-Small-4's text model (mistral4): DeepSeek-V3's names and its ungated shared experts, but a softmax
+    router renormalised over the top-k, no correction bias and no scale (ExLlamaV3's "std" router)."""
+    path = write_checkpoint(tmp_path / "ds", ModelSpec(arch="deepseek_v3", num_layers=1, num_experts=8, top_k=3,
+                                                       n_group=1, topk_group=1, embeddings=False))
+    edit_checkpoint(path, drop=["model.layers.0.mlp.gate.e_score_correction_bias"])
+    edit_config(path, model_type="mistral4", routed_scaling_factor=None, scoring_func=None, topk_method=None)
+    name, x = "model.layers.0.mlp", torch.randn(5, 256)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert ckpt.check() == []
+        block = ckpt.block(name)
+        assert (block.routing.method, block.routing.normalize, block.routing.scale) == ("softmax_topk", True, 1.0)
+        got = ckpt.reference_forward(name, x).double()
+        router = ckpt.load_tensor(block.router.name)
+        expected = ckpt.reference_forward(f"{name}.shared_experts", x).double()
+        for t, weights in enumerate(naive_weights(x, router, dict(method="softmax", top_k=3, normalize=True))):
+            for e, w in weights.items():
+                expected[t] += w * ckpt.reference_forward(f"{name}.experts.{e}", x[t : t + 1])[0].double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+
 def test_wrong_input_width_is_a_usage_error(tmp_path):
     path = write_checkpoint(tmp_path / "w", ModelSpec(num_layers=1, embeddings=False))
     with exl3tool.open_checkpoint(path) as ckpt:

@@ -26,10 +26,10 @@ GLOBAL_BLOCKERS = frozenset({"tile-order"})  # problem checks that forbid decodi
 
 # model_type -> routing method, and whether renormalising the top-k weights is the default (Qwen3-Next and Qwen3.5 /
 # 3.6: qwen2_moe's block, Qwen3-VL: qwen3_moe's, which ExLlamaV3 loads only renormalised; multimodal configs give the
-# text model's type, "..._text")
+# text model's type, "..._text"; Mistral-Small-4's text model "mistral4": DeepSeek-V3's names, a softmax router)
 _SOFTMAX_TOPK = {"qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qwen3_5_moe": True,
                  "qwen3_5_moe_text": True, "qwen3_vl_moe": True, "qwen3_vl_moe_text": True, "olmoe": False,
-                 "mixtral": True, "minimax": True, "gpt_oss": True}
+                 "mixtral": True, "minimax": True, "gpt_oss": True, "mistral4": True}
 _ALWAYS_RENORMALISED = frozenset({"mixtral", "gpt_oss"})  # their HF routers have no norm_topk_prob to turn it off
 # (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
 # as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling; as ExLlamaV3 1.6.5 runs them:

@@ -17,8 +17,8 @@ from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationCo
 from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
-from exl3tool.synthetic import write_checkpoint
-from tests.helpers import model_dir, outputs_dir
+from exl3tool.synthetic import edit_checkpoint, write_checkpoint
+from tests.helpers import edit_config, model_dir, outputs_dir
 
 pytestmark = pytest.mark.gpu
 MAX_REL = 1e-2  # verify's default threshold; fp16 activations land ~1e-3
@@ -179,6 +179,19 @@ def test_synthetic_layers_match_the_reference(synthetic, name):
         # the warpgroup-MMA ones launch every step
         assert plan.launches(1) == 3 and plan.launches(1, given=True) == 5
         assert plan.launches(16) == 5 and plan.launches(4096) == 6
+
+
+def test_softmax_routing_with_ungated_shared_experts(tmp_path):
+    """Mistral-Small-4's blocks (mistral4): a softmax router renormalised over the top-k beside DeepSeek-V3's ungated
+    shared experts (the synthetic layers pair softmax with a gated shared expert, sigmoid with an ungated one)."""
+    path = write_checkpoint(tmp_path / "m4", num_layers=1, vocab=256, head_bits=16, embeddings=False,
+                            arch="deepseek_v3", hidden=256, moe_intermediate=128, num_experts=32, top_k=4, n_group=1,
+                            topk_group=1, num_shared_experts=2, bits=4, codebook="mcg")
+    edit_checkpoint(path, drop=["model.layers.0.mlp.gate.e_score_correction_bias"])
+    edit_config(path, model_type="mistral4", routed_scaling_factor=None, scoring_func=None, topk_method=None)
+    with exl3tool.open_checkpoint(path) as ckpt:
+        moe, _, _ = run_layer(ckpt, 0, [1, 9, 100])
+        assert moe.routing.method == "softmax_topk" and moe.shared is not None and moe.shared_gate is None
 
 
 def test_bf16_activations(synthetic):
