@@ -262,6 +262,8 @@ def rename_tensors(path, renames: dict[str, str]) -> None:
 # as ExLlamaV3 1.6.5's architectures name them (their router "dots", Ling's "ds3")
 DEEPSEEK_RENAMED = {
     "glm_moe_dsa": ("mlp", {}, {}),
+    "glm4v_moe_text": ("mlp", {}, {}),
+    "solar_open": ("mlp", {}, {}),
     "mimo_v2": ("mlp", {}, {}),
     "hy_v3": ("mlp", {"model.layers.0.mlp.gate.weight": "model.layers.0.mlp.router.gate.weight",
                       "model.layers.0.mlp.gate.e_score_correction_bias": "model.layers.0.mlp.expert_bias",
@@ -290,9 +292,10 @@ DEEPSEEK_RENAMED = {
 
 @pytest.mark.parametrize("model_type", list(DEEPSEEK_RENAMED))
 def test_deepseek_routed_model_types_by_their_own_names(tmp_path, model_type):
-    """GLM-5 (glm_moe_dsa), MiMo-V2, HY-V3, AFMoE, Laguna, Ling (bailing_hybrid) and Kimi-Linear route as DeepSeek-V3
-    does (ExLlamaV3's "dots" router, Ling's "ds3" with routing groups) under their own tensor and config names: the
-    same routing, no problem reported, the same block output bit for bit. Bailing and Kimi keep two routing groups."""
+    """GLM-5 (glm_moe_dsa), GLM-4.5V's text model, Solar Open, MiMo-V2, HY-V3, AFMoE, Laguna, Ling (bailing_hybrid) and
+    Kimi-Linear route as DeepSeek-V3 does (ExLlamaV3's "dots" router, Ling's "ds3" with routing groups) under their
+    own tensor and config names: the same routing, no problem reported, the same block output bit for bit. Bailing
+    and Kimi keep two routing groups. Without the scale in config.json, ExLlamaV3's default for the type."""
     grouped = model_type in ("bailing_hybrid", "kimi_linear")
     path = write_checkpoint(tmp_path / "ds", ModelSpec(
         arch="deepseek_v3", num_layers=1, num_experts=8, top_k=3, n_group=2 if grouped else 1, topk_group=1,
@@ -309,6 +312,11 @@ def test_deepseek_routed_model_types_by_their_own_names(tmp_path, model_type):
         moe = ckpt.block(f"model.layers.0.{block}")
         assert moe.routing == routing and moe.shared_experts is not None and moe.correction_bias is not None
         assert torch.equal(ckpt.reference_forward(moe.name, x), want)
+    scale_key = next((k for k, v in keys.items() if "scal" in k and v is not None), "routed_scaling_factor")
+    edit_config(path, **{scale_key: None})
+    with exl3tool.open_checkpoint(path) as ckpt:
+        assert ckpt.block(f"model.layers.0.{block}").routing.scale == {"hy_v3": 2.826, "solar_open": 2.0}.get(
+            model_type, 1.0)
 
 
 def test_mistral4_routes_by_softmax_with_deepseek_names(tmp_path):

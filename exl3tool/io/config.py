@@ -34,11 +34,13 @@ _ALWAYS_RENORMALISED = frozenset({"mixtral", "gpt_oss"})  # their HF routers hav
 # (DeepSeek-V3's router: sigmoid scores, a correction bias for the choice, group-limited where n_group > 1; the rest
 # as DeepSeek-V3 with one group, MiniMax-M2 also with Mixtral's names and no scaling; as ExLlamaV3 1.6.5 runs them:
 # its "dots" router, Ling's (bailing_hybrid) "ds3")
-_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "kimi_k2", "minimax_m2", "lfm2_moe",
-                  "glm_moe_dsa", "mimo_v2", "kimi_linear", "bailing_hybrid", "hy_v3", "afmoe", "laguna"}
-# Their config.json keys where they are not DeepSeek-V3's: (key, default) of the scale, the renormalisation's key
+_SIGMOID_NOAUX = {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "solar_open", "dots1", "kimi_k2",
+                  "minimax_m2", "lfm2_moe", "glm_moe_dsa", "mimo_v2", "kimi_linear", "bailing_hybrid", "hy_v3", "afmoe",
+                  "laguna"}
+# Their config.json keys where they are not DeepSeek-V3's: (key, default) of the scale (ExLlamaV3's defaults), the
+# renormalisation's key
 _SCALE_KEYS = {"hy_v3": ("router_scaling_factor", 2.826), "afmoe": ("route_scale", 1.0),
-               "laguna": ("moe_routed_scaling_factor", 1.0)}
+               "laguna": ("moe_routed_scaling_factor", 1.0), "solar_open": ("routed_scaling_factor", 2.0)}
 _NORMALIZE_KEYS = {"hy_v3": "route_norm", "afmoe": "route_norm", "kimi_linear": "moe_renormalize"}
 # Model types whose shared expert (`mlp.shared_expert`) is scaled by sigmoid(x @ shared_expert_gate.T)
 GATED_SHARED_EXPERT_TYPES = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"})
