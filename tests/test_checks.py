@@ -465,14 +465,14 @@ def test_malformed_config_value(dense):
 @pytest.mark.parametrize("key, value", [
     ("hidden_size", [256]), ("hidden_size", 256.0), ("num_attention_heads", {"a": 1}), ("model_type", ["llama"]),
     ("architectures", {"x": 1}), ("tie_word_embeddings", "yes"), ("num_hidden_layers", 10**9),
-    ("hidden_size", 1 << 40), ("num_hidden_layers", 0),
+    ("hidden_size", 1 << 40), ("num_hidden_layers", 0), ("intermediate_size", "wide"),
 ])
 def test_config_values_of_the_wrong_type_or_size(dense, key, value):
-    """A value no model has is a problem and reads as absent: never a TypeError, never a billion-layer loop."""
+    """A value no model has is one problem and reads as absent: never a TypeError, never a billion-layer loop."""
     edit_config(dense, **{key: value})
     code, report, _, _ = inspect(dense)
     assert code == 1
-    p = next(p for p in report["problems"] if p["check"] == "config-value")
+    (p,) = [p for p in report["problems"] if p["check"] == "config-value"]
     assert p["file"] == "config.json" and p["message"].startswith(key)
 
 

@@ -134,15 +134,15 @@ def _text_config(data: dict) -> dict:
     return text if isinstance(text, dict) and "hidden_size" not in data else data
 
 
-def _feed_forward(r: _Reader, model_type: str | None) -> tuple[str, int | None]:
+def _feed_forward(r: _Reader, model_type: str | None, intermediate: int | None) -> tuple[str, int | None]:
     """(what config.json calls it, the width) of the dense MLPs. LFM2's (HF's Lfm2MLP) derives it from
     intermediate_size (block_ff_dim in LiquidAI's configs): two thirds of it where block_auto_adjust_ff_dim (the
     default), then times block_ffn_dim_multiplier (default 1.0) rounded up to block_multiple_of (default 256) where
     that multiplier is set, as HF rounds only then. LFM2-MoE's dense layers and every other type: intermediate_size."""
+    key = "block_ff_dim" if model_type == "lfm2" and r.data.get("block_ff_dim") is not None else "intermediate_size"
+    width = r.int(key) if key == "block_ff_dim" else intermediate  # each key read once: a bad value, one problem
     if model_type != "lfm2":
-        return "intermediate_size", r.int("intermediate_size")
-    key = "block_ff_dim" if r.data.get("block_ff_dim") is not None else "intermediate_size"
-    width = r.int(key)
+        return key, width
     if width is None or not r.bool("block_auto_adjust_ff_dim", True):
         return key, width
     width = int(2 * width / 3)
@@ -160,10 +160,11 @@ def _dims(r: _Reader, model_type: str | None) -> ModelDims:
     head_dim = r.int("head_dim")
     if head_dim is None and hidden and heads and hidden % heads == 0:
         head_dim = hidden // heads
-    dense_key, dense_width = _feed_forward(r, model_type)
+    intermediate = r.int("intermediate_size")
+    dense_key, dense_width = _feed_forward(r, model_type, intermediate)
     return ModelDims(
         hidden=hidden,
-        intermediate=r.int("intermediate_size"),
+        intermediate=intermediate,
         dense_intermediate_key=dense_key,
         dense_intermediate=dense_width,
         moe_intermediate=r.int("moe_intermediate_size"),
