@@ -141,9 +141,7 @@ def _feed_forward(r: _Reader, model_type: str | None, intermediate: int | None) 
     that multiplier is set, as HF rounds only then. LFM2-MoE's dense layers and every other type: intermediate_size."""
     key = "block_ff_dim" if model_type == "lfm2" and r.data.get("block_ff_dim") is not None else "intermediate_size"
     width = r.int(key) if key == "block_ff_dim" else intermediate  # each key read once: a bad value, one problem
-    if model_type != "lfm2":
-        return key, width
-    if width is None or not r.bool("block_auto_adjust_ff_dim", True):
+    if model_type != "lfm2" or width is None or not r.bool("block_auto_adjust_ff_dim", True):
         return key, width
     width = int(2 * width / 3)
     multiplier = r.float("block_ffn_dim_multiplier", 0.0, 1e6) if "block_ffn_dim_multiplier" in r.data else 1.0
