@@ -41,9 +41,8 @@ SHORT_CONV_TYPES = frozenset({"lfm2", "lfm2_moe"})  # `conv.in_proj` / `conv.out
 # Architectures whose q/k/v/o_proj sizes follow heads * head_dim; others (e.g. MLA) are not checked.
 STANDARD_ATTENTION = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "glm4v_moe_text",
-    "solar_open", "gemma",
-    "gemma2", "gemma3_text", "granite", "granitemoe", "qwen3_vl_moe", "qwen3_vl_moe_text", "minimax_m2", "dots1",
-    "gpt_oss", "lfm2", "lfm2_moe", *GATED_QUERY_TYPES,
+    "solar_open", "gemma", "gemma2", "gemma3_text", "granite", "granitemoe", "qwen3_vl_moe", "qwen3_vl_moe_text",
+    "minimax_m2", "dots1", "gpt_oss", "lfm2", "lfm2_moe", *GATED_QUERY_TYPES,
 })
 
 Dim = tuple[str, int | None]  # (config key that gives it, value)
