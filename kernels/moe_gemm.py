@@ -7,7 +7,8 @@ whose blocks this launch skips (with ``group_first``, a group of consecutive ids
 that first id, and the table is not read). ``planes`` = 2 for gate/up (``w13 [2, E, H_p/16, I_p/16, 16K]``, each
 plane with its own rotated input) and 1 for down (``w2 [E, I_p/16, H_p/16, 16K]`` viewed with a leading plane
 dim). A CTA's ``warps`` tile columns never straddle the planes (N_p/16 is a multiple of 8). The main loop is the
-dense GEMM's (``mainloop.decode_mma_loop``); K splits write fp32 partials that the next kernel sums in split order.
+dense GEMM's (``mainloop.decode_mma_loop``); K splits write fp32 partials that the next kernel sums in split order
+(one split may write them in fp16: ``partials``).
 
 With ``intermediate_splits`` (gate/up, small route blocks) the GEMM also does the ``Intermediate`` kernel's work,
 saving its launch: every CTA counts in at its (route block, 128-column block of I) once its partials are written
@@ -44,7 +45,7 @@ weights stream in during the kernel before. That kernel waited for the route ker
 so the block's expert and every kernel before are done. Every CTA waits, also one of an unused block, so that this
 kernel ends after the one before it.
 
-Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32
+Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32 (or fp16)
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
 intermediate also the group's rotations fp16 ``[E_g, 3*I_p]``, X2 fp16 ``[R, I_p]``, row_route int32 ``[R]``,
 counters int32 ``[blocks * I_p/128]`` (zero) and the true intermediate size.
@@ -61,7 +62,7 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
-from .moe_rotate import TopKSumConfig, intermediate_row, topk_sum_block
+from .moe_rotate import PARTIALS_DTYPES, TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
 
 
@@ -136,10 +137,16 @@ class MoEGemmConfig:
     ready_wait: bool = False
     # > 0: launch bounds asking ptxas for this many CTAs an SM (registers at most 64K / (this x threads)); 0: none.
     min_ctas_per_sm: int = 0
+    # P's dtype (PARTIALS_DTYPES): "float16" halves the bytes of P's stores and of the reads that sum them (the
+    # Intermediate / TopKSum launches or the fused tails); only for a launch of one K split (a split's fp16 would
+    # be rounded before the sum: the planner's rule, ``moe.partials_dtype``).
+    partials: str = "float32"
 
     def __post_init__(self):
         if self.planes not in (1, 2):
             raise ValueError("planes must be 1 (w2) or 2 (w13)")
+        if self.partials not in PARTIALS_DTYPES:
+            raise ValueError(f"partials must be one of {PARTIALS_DTYPES}")
         if self.min_ctas_per_sm < 0:
             raise ValueError("min_ctas_per_sm is a CTA count (0: no launch bounds)")
         if self.intermediate_splits and (self.planes != 2
@@ -356,8 +363,8 @@ class MoEGemm(DecodeGemmKernel):
                 # every MMA column is the one token: its row alone
                 if lane % 4 == 0:
                     col = plane * n_col_tiles * 16 + (col_tile0 + warp) * 16 + lane // 4
-                    mP[split, tok0, col] = acc[0]
-                    mP[split, tok0, col + 8] = acc[2]
+                    mP[split, tok0, col] = acc[0].to(mP.element_type)
+                    mP[split, tok0, col + 8] = acc[2].to(mP.element_type)
             else:
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
@@ -487,10 +494,10 @@ def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):
     for j, col_tile, group in groups:
         col = col0 + (col_tile0 + col_tile) * 16 + lane // 4
         row = tok0 + group * 8 + 2 * (lane % 4)
-        mP[split, row, col] = acc[4 * j]
-        mP[split, row, col + 8] = acc[4 * j + 2]
-        mP[split, row + 1, col] = acc[4 * j + 1]
-        mP[split, row + 1, col + 8] = acc[4 * j + 3]
+        mP[split, row, col] = acc[4 * j].to(mP.element_type)
+        mP[split, row, col + 8] = acc[4 * j + 2].to(mP.element_type)
+        mP[split, row + 1, col] = acc[4 * j + 1].to(mP.element_type)
+        mP[split, row + 1, col + 8] = acc[4 * j + 3].to(mP.element_type)
 
 
 @cute.jit

@@ -109,11 +109,13 @@ def split_parts(mP, row, col0, lane, splits: int):
 
 
 def split_values(mP, row, col, splits: int, n: int):
-    """Every split's ``n`` (4 or 8) consecutive columns ``P[s, row, col ..]``, 16 bytes a load (not yet summed)."""
-    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col) * 4
-    split_bytes = Int64(mP.shape[1]) * mP.shape[2] * 4
-    return [[v for c in range(0, n, 4) for v in ptx.ld_global_cg_v4_f32(addr + s * split_bytes + 4 * c)]
-            for s in range(splits)]
+    """Every split's ``n`` (4 or 8) consecutive columns ``P[s, row, col ..]`` as fp32, four a load (16 bytes of fp32
+    partials, 8 of fp16 ones: ``partials_dtype``), not yet summed."""
+    size = mP.element_type.width // 8
+    load = ptx.ld_global_cg_v4_f16_as_f32 if size == 2 else ptx.ld_global_cg_v4_f32
+    addr = mP.iterator.toint() + (Int64(row) * mP.shape[2] + col) * size
+    split_bytes = Int64(mP.shape[1]) * mP.shape[2] * size
+    return [[v for c in range(0, n, 4) for v in load(addr + s * split_bytes + size * c)] for s in range(splits)]
 
 
 def sum_parts(parts):
@@ -276,6 +278,15 @@ class RouteInputRotation:
                         mRouteRow[route] = row
 
 
+PARTIALS_DTYPES = ("float32", "float16")  # the GEMMs' fp32 accumulators, stored as they are or rounded to fp16
+
+
+def check_partials(partials: str, splits: int):
+    """fp16 partials only where there is one K split (each split's would be rounded before the sum)."""
+    if partials not in PARTIALS_DTYPES or (partials == "float16" and splits != 1):
+        raise ValueError(f"partials {partials!r} with {splits} K splits: float32, or float16 for one split")
+
+
 @dataclass(frozen=True)
 class IntermediateConfig:
     splits: int  # K splits of the gate/up GEMM
@@ -287,9 +298,11 @@ class IntermediateConfig:
     # Route block rows as a compile-time constant (a row's block by a multiply-high instead of a 25-SASS division by
     # the launch's ``block_rows`` argument); 0: that argument.
     block_rows: int = 0
+    partials: str = "float32"  # the gate/up GEMM's (MoEGemmConfig.partials)
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
+        check_partials(self.partials, self.splits)
         if self.blocks_per_warp % (self.lane_values // 4):
             raise ValueError("8 values a lane take two blocks at a time: blocks_per_warp must be even")
 
@@ -372,6 +385,10 @@ class TopKSumConfig:
     out_dtype: str  # "float16" | "bfloat16" | "float32"
     splits: int = 1  # K splits of the down GEMM
     blocks_per_cta: int = 1  # 128-column blocks of a token per CTA: a slot's index loads serve all of them
+    partials: str = "float32"  # the down GEMM's (MoEGemmConfig.partials)
+
+    def __post_init__(self):
+        check_partials(self.partials, self.splits)
 
 
 class TopKSum:

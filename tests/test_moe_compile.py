@@ -3,6 +3,7 @@ PTX holds what the design needs (mma.sync in both grouped GEMMs, the arrival cou
 of the routing), and every CTA stays within SM120's 99 KB of shared memory."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -654,3 +655,27 @@ def test_sixteen_row_gate_up_reads_x_in_fragment_order(arch):
     assert new.per_weight < old.per_weight - 0.3, (new.per_weight, old.per_weight)
     ctas = [resident_ctas(arch, 32 * cfg.warps, k.smem_per_cta_bytes, k.registers) for k in (new, old)]
     assert new.spill_instructions == 0 and ctas[0] >= ctas[1], (new.registers, old.registers)
+
+
+@pytest.mark.parametrize("arch,block_rows,wgmma", [("sm_120a", 64, False), ("sm_120a", 8, False),
+                                                   ("sm_90a", 320, True)])
+def test_fp16_partials_are_stored_and_summed_as_fp16(arch, block_rows, wgmma):
+    """``partials`` float16: both GEMMs store P as 16-bit values (st.global.b16, no scalar 32-bit store left: the
+    fp32 config stores st.global.b32; the fused intermediate's X2 stores are vectors), and the Intermediate and TopKSum launches, and the fused tails, load 8-byte fp16
+    quads (ld.global.cg.v4.b16) where the fp32 config loads fp32 quads. fp16 partials refuse K splits."""
+    fused = dict(intermediate_splits=1) if block_rows == 8 else {}
+    for planes in (2, 1):
+        half = gemm_config(4.0, "mcg", planes, block_rows, wgmma, partials="float16", **(fused if planes == 2 else {}))
+        full = dataclasses.replace(half, partials="float32")
+        stores = [re.findall(r"st\.global\.b(?:16|32)", ptx_of(c, arch)) for c in (half, full)]
+        assert set(stores[0]) == {"st.global.b16"} and "st.global.b32" in stores[1], stores
+        if fused and planes == 2:
+            assert "ld.global.cg.v4.b16" in ptx_of(half, arch) and "ld.global.cg.v4.f32" in ptx_of(full, arch)
+    for cfg in (IntermediateConfig(1, "stages", 2, 8), TopKSumConfig(8, "float16", 1, 4)):
+        half, full = (ptx_of(dataclasses.replace(cfg, partials=p), arch) for p in ("float16", "float32"))
+        assert "ld.global.cg.v4.b16" in half and "ld.global.cg.v4.f32" not in half and "ld.global.cg.v4.f32" in full
+    for make in (lambda: IntermediateConfig(2, partials="float16"),
+                 lambda: TopKSumConfig(8, "float16", 2, 1, "float16"),
+                 lambda: gemm_config(4.0, "mcg", 1, 8, partials="bfloat16")):
+        with pytest.raises(ValueError, match="partials"):
+            make()

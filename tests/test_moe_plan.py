@@ -339,3 +339,25 @@ def test_group_loops_leave_out_the_x_copies_of_the_groups_they_skip(monkeypatch)
     assert [mainloop.x_copies_past(four_warps, 128, g) for g in (1, 2, 3, 4)] == [3, 2, 1, 0]
     monkeypatch.setattr(mainloop, "GROUP_LOOP_X_ROWS", False)
     assert mainloop.x_copies_past(cfg32, 256, 2) == 0
+
+
+def test_unsplit_gemms_store_fp16_partials_from_the_listed_token_count(monkeypatch):
+    """From HALF_PARTIALS_MIN_TOKENS on, each GEMM of one K split and the launch that sums its partials take
+    float16 partials; a split GEMM (and the launch after it) keeps float32 at any M (each split's would round)."""
+    layer = moe()
+    wide = moe(num_experts=4, top_k=2, hidden_p=4096, inter_p=4096)  # split down GEMMs at every M below
+    first = moe_ops.HALF_PARTIALS_MIN_TOKENS
+    for m in (first - 1, first, 4096):
+        for d in (layer, wide):
+            c = moe_ops.step_configs(d, m, False, "sm_90", 132, "float16", "float16")
+            splits = {"gate/up": c.shape.splits13, "intermediate": c.shape.splits13, "down": c.shape.splits2,
+                      "top-k sum": c.shape.splits2}
+            want = {role: "float16" if m >= first and splits[role] == 1 else "float32" for role in splits}
+            assert {role: cfg.partials for role, cfg in c.kernels() if role in splits} == want
+        assert c.shape.splits2 > 1  # wide's, the last of the loop
+    monkeypatch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1)
+    narrow = moe(num_experts=32, top_k=6, hidden_p=256, inter_p=128)  # one split at M = 1
+    c = moe_ops.step_configs(narrow, 1, False, "sm_90", 132, "float16", "float16")  # resident input, fused top-k
+    gate_up, down = (cfg for role, cfg in c.kernels() if role in ("gate/up", "down"))
+    assert (gate_up.input, gate_up.partials, down.partials, down.topk_sum.partials) == (
+        "float16", "float16", "float16", "float16")

@@ -13,10 +13,10 @@ Per call (no host sync, no allocation; CUDA-graph capturable once each M was run
   per expert group (one K and codebook):
   2 rotate      per packed route: H128(x * gate_suh), H128(x * up_suh) of its expert -> fp16 (one token: in
                 the gate/up GEMM's prologue, into shared memory, no launch)
-  3 gate/up     decode GEMM from w13 (split-K partials, fp32)
+  3 gate/up     decode GEMM from w13 (split-K partials, fp32; fp16 for one split from HALF_PARTIALS_MIN_TOKENS)
   4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16 (small route blocks and
                 a short gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
-  5 down        decode GEMM from w2 (split-K partials, fp32)
+  5 down        decode GEMM from w2 (split-K partials, as gate/up's)
   6 top-k sum   per token: output rotation * down_svh of each route's expert, weighted, summed in slot order
                 (one token: in the last down GEMM CTA per 128 columns, over every group's launch, no launch)
 Each token's result depends only on its own routes (rows are computed independently, sums in fixed order), so
@@ -259,6 +259,10 @@ RESIDENT_INPUT_TOKENS = 4
 # Up to this many tokens (one) the down GEMM's last CTA per 128 columns does the top-k sum instead of a TopKSum
 # launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count).
 FUSED_TOPK_TOKENS = 1
+# From this many tokens on, a GEMM of one K split stores its partials in fp16 (MoEGemmConfig.partials): half the
+# bytes of P's stores and of the Intermediate / TopKSum reads (M=4096, H100 ncu: 246 and 287 MB, 101 and 105 us,
+# at 72-82% of DRAM bandwidth). The GEMMs' fp32 accumulators rounded once more, as ExLlamaV3's fp16 outputs are.
+HALF_PARTIALS_MIN_TOKENS = 512
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()
 
@@ -488,13 +492,14 @@ def intermediate_blocks_per_warp(blocks: int) -> int:
     return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP + 1) if blocks % d == 0)
 
 
-def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0) -> IntermediateConfig:
+def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0,
+                        partials: str = "float32") -> IntermediateConfig:
     """The Intermediate launch for an intermediate of ``blocks`` 128-column blocks: blocks a warp as above, and
     INTERMEDIATE_LANE_VALUES a lane where they are even; route blocks of ``block_rows`` compiled in where
-    INTERMEDIATE_CONSTANT_BLOCK_ROWS."""
+    INTERMEDIATE_CONSTANT_BLOCK_ROWS; the gate/up GEMM's ``partials`` dtype."""
     per_warp = intermediate_blocks_per_warp(blocks)
     return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4,
-                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0)
+                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials)
 
 
 def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
@@ -515,6 +520,11 @@ def resident_config(g13: MoEGemmConfig, x_dtype: str, per13: int, tokens: int) -
         return replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
     except SharedMemoryError:
         return None
+
+
+def partials_dtype(tokens: int, splits: int) -> str:
+    """P's dtype for a GEMM of ``splits`` K splits: fp16 from HALF_PARTIALS_MIN_TOKENS on with one split."""
+    return "float16" if splits == 1 and tokens >= HALF_PARTIALS_MIN_TOKENS else "float32"
 
 
 def fused_topk(tokens: int, given: bool) -> bool:
@@ -741,7 +751,7 @@ class MoEPlan:
                                                                 logits, ids, weights, rank, self.counters,
                                                                 self.counts, self.expert_row, block_expert,
                                                                 row_route)))
-        p2 = self.p2[: s.splits2 * rows * h_p].view(s.splits2, rows, h_p)
+        p2 = partials_view(self.p2, c.groups[0].down.partials, (s.splits2, rows, h_p))
         col_blocks = h_p // 128
         # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
         (topk_counter,) = counters.views(d.device, ((col_blocks,), torch.int32))
@@ -749,7 +759,7 @@ class MoEPlan:
             i_p = g.intermediate_padded
             hx, ix = x_row_halves(h_p, gc.order13), x_row_halves(i_p, gc.order2)
             xr = self.xr[: 2 * rows * hx].view(2, rows, hx)
-            p13 = self.p13[: s.splits13 * rows * 2 * i_p].view(s.splits13, rows, 2 * i_p)
+            p13 = partials_view(self.p13, gc.gate_up.partials, (s.splits13, rows, 2 * i_p))
             x2 = self.x2[: rows * ix].view(rows, ix)
             g13, g2, resident = gc.gate_up, gc.down, gc.gate_up.input is not None
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
@@ -840,7 +850,8 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
                     early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
-    topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count))
+    partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
+    topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2)
     topk_fused = fused_topk(tokens, given)
     groups = []
     for g in d.groups:
@@ -855,10 +866,12 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
         g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
                           **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
                           x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
-                          next_after_loop=early, group_first=first, ready_signal=s.ready_counters)
+                          next_after_loop=early, group_first=first, ready_signal=s.ready_counters,
+                          partials=partials13)
         g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
                          **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
-                         weights_before_wait=early, group_first=first, ready_wait=s.ready_counters)
+                         weights_before_wait=early, group_first=first, ready_wait=s.ready_counters,
+                         partials=partials2)
         per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
         per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
         resident13 = resident_config(g13, x_dtype, per13, tokens) if resident else None
@@ -867,11 +880,18 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
             input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
         g13 = resident13 or replace(g13, weights_before_wait=early13)
         intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128,
-                                                                              s.block_rows)
+                                                                              s.block_rows, partials13)
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
+
+
+def partials_view(buffer: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A GEMM's partials ``shape`` in ``dtype`` (MoEGemmConfig.partials) at the start of the fp32 scratch
+    ``buffer``, sized for fp32 ones."""
+    flat = buffer.view(torch.float16) if dtype == "float16" else buffer
+    return flat[: math.prod(shape)].view(shape)
 
 
 def persistent(args: tuple) -> tuple:

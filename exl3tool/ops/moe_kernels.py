@@ -55,7 +55,7 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y
         topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, 1, None),
                 fake_tensor(DTYPES[cfg.topk_sum.out_dtype], 1, None)]
-    args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), fake_tensor(F32, None, rows, None),
+    args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), partials_tensor(cfg, rows),
             fake_tensor(I32, None), fake_tensor(I32, None), 0]
     inter = [None] * 2
     if cfg.intermediate_splits:  # rotations, X2
@@ -76,16 +76,22 @@ def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
 
 
 def build_intermediate(cfg: IntermediateConfig, options: str):
-    args = [fake_tensor(F32, None, None, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None),
+    args = [partials_tensor(cfg), fake_tensor(F16, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None),
             fake_tensor(I32, None), fake_tensor(I32, None), 0, 0]
     return _compile(Intermediate(cfg), args, options)
 
 
 def build_topk_sum(cfg: TopKSumConfig, options: str):
     m = cute.sym_int()
-    args = [fake_tensor(F32, None, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(I32, m, cfg.routes_per_token),
-            fake_tensor(F32, m, cfg.routes_per_token), fake_tensor(I32, None), fake_tensor(DTYPES[cfg.out_dtype], m, None)]
+    args = [partials_tensor(cfg), fake_tensor(F16, None, None), fake_tensor(I32, None),
+            fake_tensor(I32, m, cfg.routes_per_token), fake_tensor(F32, m, cfg.routes_per_token), fake_tensor(I32, None),
+            fake_tensor(DTYPES[cfg.out_dtype], m, None)]
     return _compile(TopKSum(cfg), args, options)
+
+
+def partials_tensor(cfg, rows=None):
+    """P ``[splits, rows, columns]`` in the config's ``partials`` dtype."""
+    return fake_tensor(DTYPES[cfg.partials], None, rows, None)
 
 
 BUILDERS = {

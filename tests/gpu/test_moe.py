@@ -829,12 +829,46 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
             shape = plan.step(m, False).shape
             order = moe_ops.group_x_orders(plan.arch, dmoe.groups[0], shape)[1]
             wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
-                                        shape.block_rows if constant else 0)
+                                        shape.block_rows if constant else 0, moe_ops.partials_dtype(m, shape.splits13))
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
             assert blocks % most == 0 and inter == [moe_ops.K.compiled(wanted, plan.arch)]
             poison(plan)
             outs.append(moe_forward(x, plan).clone())
     assert not outs[0].isnan().any() and all(torch.equal(y, outs[0]) for y in outs)
+
+
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 4096), ("qwen3-30b-shape-k4-mcg", 64),
+                                    ("two-groups-k3-k5", 1), ("deepseek-grouped-sigmoid", 3),
+                                    ("k3.5-mul1-shared-gated", 16)])
+def test_half_partials_stay_as_close_to_the_reference(synthetic, name, m, monkeypatch):
+    """GEMMs of one K split store their partials in fp16 from moe.HALF_PARTIALS_MIN_TOKENS tokens on: every such
+    launch and the one that sums its partials take ``partials`` float16, the rest float32 (here: 320-row warpgroup
+    blocks; 8-row blocks with the fused intermediate and block-ready counters; one token with the resident input
+    and the fused top-k sum; 3 tokens' resident rows; gate/up unsplit beside a split down). With the scratch
+    NaN-poisoned, y is within fp16 rounding of the fp32 partials' plan, as close to the fp32 reference, the same on a
+    second call and in graph replay."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = {}
+    for half in (True, False):
+        with monkeypatch.context() as patch:  # plan.configs plans anew: under the same setting as the launches
+            patch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1 if half else m + 1)
+            y, _, plan = layer_with(monkeypatch, dmoe, x, {})
+            c = plan.configs(m, False)
+        splits = {"gate/up": c.shape.splits13, "intermediate": c.shape.splits13, "down": c.shape.splits2,
+                  "top-k sum": c.shape.splits2}
+        launched = [(role, cfg.partials) for role, cfg in c.kernels() if role in splits]
+        assert launched == [(role, "float16" if half and splits[role] == 1 else "float32") for role, _ in launched]
+        assert not half or any(partials == "float16" for _, partials in launched)
+        outs[half] = y, *(t.clone() for t in routes(plan, m))
+    (half, ids, weights), (full, ids_full, _) = outs[True], outs[False]
+    assert torch.equal(ids, ids_full)
+    want = reference_given(reader, moe, x, ids.long(), weights)
+    # 2e-3: the one-token layer's y is ~2e-4, and its fp16 partials near fp16's subnormals (measured 1.15e-3)
+    assert rel(half, full) < 2e-3 and rel(half, want) < 1.2 * rel(full, want) + 1e-4, (
+        rel(half, full), rel(half, want), rel(full, want))
 
 
 ODD_HIDDEN = dict(arch="qwen3_moe", hidden=260, moe_intermediate=256, num_experts=8, top_k=2, bits=3,
