@@ -23,6 +23,7 @@ from exl3tool.ops.moe import (
     step_shape,
     sum_blocks_per_cta,
 )
+from helpers import launched_partials
 
 
 def pack(ids: np.ndarray, experts: int, block_rows: int):
@@ -350,10 +351,10 @@ def test_unsplit_gemms_store_fp16_partials_from_the_listed_token_count(monkeypat
     for m in (first - 1, first, 4096):
         for d in (layer, wide):
             c = moe_ops.step_configs(d, m, False, "sm_90", 132, "float16", "float16")
-            splits = {"gate/up": c.shape.splits13, "intermediate": c.shape.splits13, "down": c.shape.splits2,
-                      "top-k sum": c.shape.splits2}
-            want = {role: "float16" if m >= first and splits[role] == 1 else "float32" for role in splits}
-            assert {role: cfg.partials for role, cfg in c.kernels() if role in splits} == want
+            launched = launched_partials(c)
+            assert {role for role, _, _ in launched} == {"gate/up", "intermediate", "down", "top-k sum"}
+            assert [partials for _, partials, _ in launched] == [
+                "float16" if m >= first and splits == 1 else "float32" for _, _, splits in launched]
         assert c.shape.splits2 > 1  # wide's, the last of the loop
     monkeypatch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1)
     narrow = moe(num_experts=32, top_k=6, hidden_p=256, inter_p=128)  # one split at M = 1

@@ -18,7 +18,7 @@ from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
 from exl3tool.synthetic import edit_checkpoint, write_checkpoint
-from tests.helpers import edit_config, model_dir, outputs_dir
+from tests.helpers import edit_config, launched_partials, model_dir, outputs_dir
 
 pytestmark = pytest.mark.gpu
 MAX_REL = 1e-2  # verify's default threshold; fp16 activations land ~1e-3
@@ -857,11 +857,10 @@ def test_half_partials_stay_as_close_to_the_reference(synthetic, name, m, monkey
             patch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1 if half else m + 1)
             y, _, plan = layer_with(monkeypatch, dmoe, x, {})
             c = plan.configs(m, False)
-        splits = {"gate/up": c.shape.splits13, "intermediate": c.shape.splits13, "down": c.shape.splits2,
-                  "top-k sum": c.shape.splits2}
-        launched = [(role, cfg.partials) for role, cfg in c.kernels() if role in splits]
-        assert launched == [(role, "float16" if half and splits[role] == 1 else "float32") for role, _ in launched]
-        assert not half or any(partials == "float16" for _, partials in launched)
+        launched = launched_partials(c)
+        assert [partials for _, partials, _ in launched] == [
+            "float16" if half and splits == 1 else "float32" for _, _, splits in launched]
+        assert not half or any(partials == "float16" for _, partials, _ in launched)
         outs[half] = y, *(t.clone() for t in routes(plan, m))
     (half, ids, weights), (full, ids_full, _) = outs[True], outs[False]
     assert torch.equal(ids, ids_full)
