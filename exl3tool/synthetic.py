@@ -282,8 +282,8 @@ def _build(spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
             else:
                 w.mlp(f"{p}.mlp", h, spec.intermediate)
             continue
-        if spec.arch == "gpt_oss":  # HF's GptOssTopKRouter: bf16 weight and bias
-            w.plain(f"{block}.router.weight", (spec.num_experts, h), scale=0.5)
+        if spec.arch == "gpt_oss":  # the router as ExLlamaV3 stores an unquantized linear (fp16), HF's bf16 bias
+            w.plain(f"{block}.router.weight", (spec.num_experts, h), torch.float16, scale=0.5)
             w.plain(f"{block}.router.bias", (spec.num_experts,), scale=0.5)
         else:
             w.plain(f"{block}.gate.weight", (spec.num_experts, h), torch.float16, scale=0.5)

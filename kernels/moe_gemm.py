@@ -10,11 +10,11 @@ dim). A CTA's ``warps`` tile columns never straddle the planes (N_p/16 is a mult
 dense GEMM's (``mainloop.decode_mma_loop``); K splits write fp32 partials that the next kernel sums in split order
 (one split may write them in fp16: ``partials``).
 
-With ``intermediate_splits`` (gate/up, small route blocks) the GEMM also does the ``Intermediate`` kernel's work,
-saving its launch: every CTA counts in at its (route block, 128-column block of I) once its partials are written
-(both planes, every split: ``2 * 128/(16*warps) * splits`` arrivals, ``ptx.count_in``), and the last one sums
-the splits in order and writes X2 for the block's rows (``moe_rotate.intermediate_row``, the same code, so X2 is
-bit-identical), then resets the counter for the next launch.
+With ``intermediate_splits`` (gate/up, small route blocks) the GEMM also does the ``Intermediate`` kernel's work
+(as ``gating`` says), saving its launch: every CTA counts in at its (route block, 128-column block of I) once its
+partials are written (both planes, every split: ``2 * 128/(16*warps) * splits`` arrivals, ``ptx.count_in``), and
+the last one sums the splits in order and writes X2 for the block's rows (``moe_rotate.intermediate_row``, the same
+code, so X2 is bit-identical), then resets the counter for the next launch.
 
 With ``topk_sum`` (down at M = 1, routes chosen by the router: one per block, in its first row) the GEMM also
 does the ``TopKSum`` kernel's work: every CTA counts in at its 128-column block of the hidden dim (each route's
@@ -62,7 +62,7 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
-from .moe_rotate import PARTIALS_DTYPES, TopKSumConfig, intermediate_row, topk_sum_block
+from .moe_rotate import PARTIALS_DTYPES, SILU_GATING, Gating, TopKSumConfig, intermediate_row, topk_sum_block
 from .rotate import rotate_into_shared
 
 
@@ -141,6 +141,8 @@ class MoEGemmConfig:
     # Intermediate / TopKSum launches or the fused tails); only for a launch of one K split (a split's fp16 would
     # be rounded before the sum: the planner's rule, ``moe.partials_dtype``).
     partials: str = "float32"
+    # The fused intermediate's gating (moe_rotate.Gating: the activation, its clamp, gate/up biases in mRot).
+    gating: Gating = SILU_GATING
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -152,6 +154,8 @@ class MoEGemmConfig:
         if self.intermediate_splits and (self.planes != 2
                                          or not fuses_intermediate(self.tokens_per_cta, self.warps, self.warp_cols)):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
+        if self.gating != SILU_GATING and not self.intermediate_splits:
+            raise ValueError("gating is the fused intermediate's (intermediate_splits > 0)")
         if self.input is not None and self.planes != 2:
             raise ValueError("only the gate/up GEMM rotates its own input")
         if self.topk_sum is not None and (self.planes != 1 or self.token_groups != 1 or self.warp_cols != 1
@@ -419,7 +423,7 @@ class MoEGemm(DecodeGemmKernel):
                     if cutlass.const_expr(cfg.input is not None and cfg.resident_rows == 1):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
-                                             cfg.intermediate_splits, cfg.x2_order)
+                                             cfg.intermediate_splits, cfg.x2_order, gating=cfg.gating)
                     else:
                         for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
                             row = tok0 + r * cfg.warps + warp
@@ -429,7 +433,7 @@ class MoEGemm(DecodeGemmKernel):
                                 route = sRoute[r * cfg.warps + warp]
                             if route >= 0:  # padding rows stay unwritten, as in Intermediate
                                 intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
-                                                 cfg.intermediate_splits, cfg.x2_order)
+                                                 cfg.intermediate_splits, cfg.x2_order, gating=cfg.gating)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
                     if cutlass.const_expr(cfg.ready_signal):

@@ -9,9 +9,11 @@ RouteInputRotation  per token t and route slot j whose expert e is in this launc
                     large M (x read once), one each at decode (M=1: 16 warps doing 16 rotations each in turn
                     took 10.9 us on the H200).
 Intermediate        per packed row: gate, up = split sums of the gate/up GEMM partials;
-                    ``g = H128(gate) * gate_svh[p]``, ``u = H128(up) * up_svh[p]``, ``h = silu(g) * u`` (zero past the
-                    true intermediate size), ``X2[r] = H128(h * down_suh[p])`` (fp16)
-TopKSum             per token t: ``y[t] = sum_j w[t, j] * H128(sum_s P2[s, route_row[t, j]]) * down_svh[e]`` in fp32,
+                    ``g = H128(gate) * gate_svh[p]``, ``u = H128(up) * up_svh[p]`` (plus their biases: ``Gating``),
+                    ``h = silu(g) * u`` or gpt-oss's clamped SwiGLU (zero past the true intermediate size),
+                    ``X2[r] = H128(h * down_suh[p])`` (fp16)
+TopKSum             per token t: ``y[t] = sum_j w[t, j] * (H128(sum_s P2[s, route_row[t, j]]) * down_svh[e] (+ down
+                    bias[e]))`` in fp32,
                     slots j in order and splits in order (deterministic), then cast to y's dtype. A CTA takes
                     ``blocks_per_cta`` column blocks of a token; its warps share the slots (a slot's indices are
                     loaded once for all its blocks) and the terms are summed from shared memory in slot order.
@@ -287,6 +289,51 @@ def check_partials(partials: str, splits: int):
         raise ValueError(f"partials {partials!r} with {splits} K splits: float32, or float16 for one split")
 
 
+GATE_ACTIVATIONS = ("silu", "swiglu_oai")
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss: (up + 1) * gate * sigmoid(1.702 * gate)
+
+
+@dataclass(frozen=True)
+class Gating:
+    """How the intermediate gates: ``silu(g) * u``, or gpt-oss's clamped SwiGLU ``(u + 1) * g * sigmoid(1.702 g)``
+    with g clamped from above and u both ways at ``limit`` (0: no clamp); with ``biased`` the gate and up
+    projections' biases are added to g and u after their rotations. The biases ride in the rotations table
+    (``[E_g, 5*I_p]``: gate_svh | up_svh | down_suh | gate bias | up bias, fp16 as the checkpoint stores them)."""
+
+    activation: str = "silu"
+    limit: float = 0.0
+    biased: bool = False
+
+    def __post_init__(self):
+        if self.activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"the gating activation must be one of {', '.join(GATE_ACTIVATIONS)}")
+        if self.limit < 0 or (self.limit and self.activation != "swiglu_oai"):
+            raise ValueError("only swiglu_oai takes a clamp limit (>= 0)")
+
+    @property
+    def planes(self) -> int:
+        """Vectors of I_p in a row of the rotations table."""
+        return 5 if self.biased else 3
+
+    @property
+    def folds_scale(self) -> bool:
+        """FAST_MATH's fold (up takes both rotations' 1/sqrt(128)): only for silu(g) * u, which is linear in u."""
+        return FAST_MATH and self.activation == "silu" and not self.biased
+
+
+SILU_GATING = Gating()
+
+
+def gate(g, u, gating: Gating):
+    """The intermediate value of gate g and up u (Float32). Traced inline."""
+    if gating.activation == "silu":
+        return silu(g) * u
+    if gating.limit:
+        g = cutlass.min(g, Float32(gating.limit))
+        u = cutlass.max(cutlass.min(u, Float32(gating.limit)), Float32(-gating.limit))
+    return (u + Float32(1.0)) * silu(g, SWIGLU_OAI_ALPHA)
+
+
 @dataclass(frozen=True)
 class IntermediateConfig:
     splits: int  # K splits of the gate/up GEMM
@@ -299,6 +346,7 @@ class IntermediateConfig:
     # the launch's ``block_rows`` argument); 0: that argument.
     block_rows: int = 0
     partials: str = "float32"  # the gate/up GEMM's (MoEGemmConfig.partials)
+    gating: Gating = SILU_GATING
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
@@ -315,7 +363,7 @@ class Intermediate:
     def __call__(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                  mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32,
                  stream: cuda.CUstream):
-        blocks = mRot.shape[1] // 3 // 128 // self.cfg.blocks_per_warp  # of blocks_per_warp 128-column blocks
+        blocks = mRot.shape[1] // self.cfg.gating.planes // 128 // self.cfg.blocks_per_warp  # of blocks_per_warp
         grid = (blocks, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, inter_true, block_rows).launch(
             grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
@@ -332,50 +380,56 @@ class Intermediate:
                                 self.cfg.block_rows if self.cfg.block_rows else block_rows)
         if route >= 0 and p >= 0:
             intermediate_row(mP, mRot, mX2, row, p, block * self.cfg.blocks_per_warp, lane, inter_true,
-                             self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp, self.cfg.lane_values)
+                             self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp, self.cfg.lane_values,
+                             self.cfg.gating)
 
 
 def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str, blocks: int = 1,
-                     n: int = 4):
+                     n: int = 4, gating: Gating = SILU_GATING):
     """One warp, packed row ``row`` of group row ``p``, the ``blocks`` 128-column blocks of the intermediate from
-    ``block`` (above): ``X2[row, b] = H128(silu(H128(gate) * gate_svh) * H128(up) * up_svh * down_suh)``, ``n``
-    values a lane (4; or 8, two blocks at a time, lanes ``16h + l`` in block h: fewer butterfly exchanges, the same
-    bits). Every block's loads are issued first. The ``Intermediate`` kernel's whole work, and the gate/up GEMM's
-    fused tail (``moe_gemm``). Traced inline."""
-    inter_p = mRot.shape[1] // 3  # X2 rows hold x_row_halves(inter_p) fp16
+    ``block`` (above): ``X2[row, b] = H128(gate(H128(gate) * gate_svh, H128(up) * up_svh) * down_suh)`` (``gate``:
+    silu(g) * u or the clamped SwiGLU, g and u with their biases where ``gating`` says), ``n`` values a lane (4; or
+    8, two blocks at a time, lanes ``16h + l`` in block h: fewer butterfly exchanges, the same bits). Every block's
+    loads are issued first. The ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail
+    (``moe_gemm``). Traced inline."""
+    inter_p = mRot.shape[1] // gating.planes  # X2 rows hold x_row_halves(inter_p) fp16
     lanes = 128 // n  # lanes a block
     loaded = []
     for j in range(0, blocks, n // 4):
         col0 = lane_column(block + j + lane // lanes, lane, n)
-        # gate svh, up svh, down suh
-        scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(3)]
+        # gate svh, up svh, down suh (, gate bias, up bias)
+        scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(gating.planes)]
         parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
         loaded.append((col0, scales, parts))
-    for col0, (gate_svh, up_svh, down_suh), parts in loaded:
-        gate = hadamard128(sum_parts(parts[0]), lane)
-        # up takes both orthonormal scales of H128 (1/128, exact) and the last rotation none: one multiply less
-        up = hadamard128(sum_parts(parts[1]), lane, 1.0 / 128 if FAST_MATH else INV_SQRT_128)
+    fold = gating.folds_scale
+    for col0, scales, parts in loaded:
+        gate_svh, up_svh, down_suh = scales[:3]
+        gate_h = hadamard128(sum_parts(parts[0]), lane)
+        # silu(g) * u: up takes both orthonormal scales of H128 (1/128, exact) and the last rotation none
+        up_h = hadamard128(sum_parts(parts[1]), lane, 1.0 / 128 if fold else INV_SQRT_128)
         h = [Float32(0.0)] * n
         for i in range(n):
-            g = gate[i] * gate_svh[i]
-            u = up[i] * up_svh[i]
-            hi = silu(g) * u * down_suh[i]
+            g = gate_h[i] * gate_svh[i]
+            u = up_h[i] * up_svh[i]
+            if gating.biased:
+                g, u = g + scales[3][i], u + scales[4][i]
+            hi = gate(g, u, gating) * down_suh[i]
             h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
-        v = hadamard128(h, lane, None if FAST_MATH else INV_SQRT_128)
+        v = hadamard128(h, lane, None if fold else INV_SQRT_128)
         store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
 
 
-def silu(g):
-    """``g * sigmoid(g)`` through the approximate reciprocal (``rcp.approx``, 1 ulp; the X2 it feeds is fp16). An
-    IEEE division costs a range check and a slow-path branch per value: H200, E=128 top-8 2048x768 K=4 mcg,
-    Intermediate kernel us, IEEE -> approximate: M=1024 27.1 -> 23.8, M=2048 51.7 -> 44.5, M=4096 104.7 -> 94.8
+def silu(g, alpha: float = 1.0):
+    """``g * sigmoid(alpha * g)`` through the approximate reciprocal (``rcp.approx``, 1 ulp; the X2 it feeds is
+    fp16). An IEEE division costs a range check and a slow-path branch per value: H200, E=128 top-8 2048x768 K=4
+    mcg, Intermediate kernel us, IEEE -> approximate: M=1024 27.1 -> 23.8, M=2048 51.7 -> 44.5, M=4096 104.7 -> 94.8
     (sm_90a SASS 840 -> 632 instructions, 56 -> 40 registers; y within 3.7e-5 of the division's). With
-    FAST_MATH the exponential is one ``ex2.approx`` of ``-g * log2(e)`` (2 ulp, then rounded to fp16)
+    FAST_MATH the exponential is one ``ex2.approx`` of ``-alpha * g * log2(e)`` (2 ulp, then rounded to fp16)
     instead of expf's range reduction (two SASS a value instead of eight)."""
     if FAST_MATH:
-        e = cute.math.exp2(g * Float32(-LOG2_E), approx=True, ftz=True)
+        e = cute.math.exp2(g * Float32(-alpha * LOG2_E), approx=True, ftz=True)
     else:
-        e = cute.math.exp(-g)
+        e = cute.math.exp(g * Float32(-alpha))
     return g * cute.arch.rcp_approx(Float32(1.0) + e)
 
 
@@ -386,6 +440,9 @@ class TopKSumConfig:
     splits: int = 1  # K splits of the down GEMM
     blocks_per_cta: int = 1  # 128-column blocks of a token per CTA: a slot's index loads serve all of them
     partials: str = "float32"  # the down GEMM's (MoEGemmConfig.partials)
+    # the down projections' biases, added to each slot's term before its weight: down_svh's table is then
+    # ``[rows, 2*H_p]`` (svh | bias, fp16 as the checkpoint stores them)
+    biased: bool = False
 
     def __post_init__(self):
         check_partials(self.partials, self.splits)
@@ -422,7 +479,8 @@ class TopKSum:
             weight = Float32(mW[tok, j])
             cols = [cutlass.min(group * per_cta + b, blocks - 1) * 128 for b in range(per_cta)]
             parts = [summed(mP, row, cols[b], lane, self.cfg.splits) for b in range(per_cta)]
-            svh = [load4(mSvh, svh_row, cols[b] + 4 * lane) for b in range(per_cta)]
+            svh = [down_scales(mSvh, svh_row, cols[b] + 4 * lane, mP.shape[2], self.cfg.biased)
+                   for b in range(per_cta)]
             for b in cutlass.range_constexpr(per_cta):
                 park_term(sTerm, (b * k + j) * 128, weight, parts[b], svh[b], lane)
         cute.arch.sync_threads()
@@ -431,12 +489,22 @@ class TopKSum:
                               self.cfg.out_dtype)
 
 
-def park_term(sTerm, at, weight, summed_part, svh, lane):
-    """Slot term ``weight * H128(sum of the splits) * down_svh`` of one 128-column block into ``sTerm[at ..]``
-    (the lane's 4 columns). Traced inline."""
+def down_scales(mSvh, svh_row, col, h_p, biased: bool):
+    """A lane's four ``down_svh[svh_row, col ..]``, then with ``biased`` its four down biases (``TopKSumConfig``:
+    ``h_p`` columns further along the row)."""
+    svh = load4(mSvh, svh_row, col)
+    return (svh, load4(mSvh, svh_row, col + h_p)) if biased else (svh,)
+
+
+def park_term(sTerm, at, weight, summed_part, scales, lane):
+    """Slot term ``weight * (H128(sum of the splits) * down_svh (+ down bias))`` of one 128-column block into
+    ``sTerm[at ..]`` (the lane's 4 columns; ``scales`` from ``down_scales``). Traced inline."""
     v = hadamard128(summed_part, lane)
     for i in range(4):
-        sTerm[at + 4 * lane + i] = weight * (v[i] * svh[i])
+        term = v[i] * scales[0][i]
+        if len(scales) > 1:
+            term = term + scales[1][i]
+        sTerm[at + 4 * lane + i] = weight * term
 
 
 @cute.jit
@@ -468,7 +536,7 @@ def topk_sum_block(cfg: cutlass.Constexpr, mP: cute.Tensor, mSvh: cute.Tensor, m
         jc = cutlass.min(warp + jj * warps, k - 1)  # past the last slot: slot k'-1 again, never parked
         slots.append((mRouteRow[tok * k + jc], mSvhRow[mIds[tok, jc]], Float32(mW[tok, jc])))
     parts = [summed(mP, row, block * 128, lane, cfg.splits) for row, _, _ in slots]
-    svh = [load4(mSvh, svh_row, block * 128 + 4 * lane) for _, svh_row, _ in slots]
+    svh = [down_scales(mSvh, svh_row, block * 128 + 4 * lane, mP.shape[2], cfg.biased) for _, svh_row, _ in slots]
     for jj in cutlass.range_constexpr(per_warp):
         j = warp + jj * warps
         if j < k:

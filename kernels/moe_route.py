@@ -20,7 +20,8 @@ parks its partial tile in its ring.
 The last CTA of token block b to finish (device-scope arrival counter, ``ptx.count_in``) turns those
 tokens' logits into ``topk_ids / topk_weights [M, k']``, one warp per token (warp w: tokens w, w+8, .. of the
 block, their loads issued together and their selections as independent straight-line chains):
-  softmax_topk      softmax over the experts, top-k, optional renormalisation, times ``scale``
+  softmax_topk      softmax over the experts (of the logits plus an fp32 bias where ``logit_bias``: gpt-oss), top-k,
+                    optional renormalisation, times ``scale``
   sigmoid_noaux_tc  sigmoid scores; choice = score + correction bias; with n_group > 1 only the topk_group
                     groups whose two best choices sum highest compete; weights are the scores of the chosen,
                     optionally renormalised, times ``scale``
@@ -80,6 +81,7 @@ class MoERouteConfig:
     n_group: int = 1
     topk_group: int = 1
     correction_bias: bool = False
+    logit_bias: bool = False  # softmax_topk: mBias [E] added to the logits (choice and weights alike: gpt-oss)
     shared: str = "none"  # "none" | "ungated" | "gated"
     x_dtype: str = "float16"
     expert_tile: int = 16  # router rows per CTA (16 or 32)
@@ -93,6 +95,8 @@ class MoERouteConfig:
             raise ValueError(f"top-{self.top_k} of {self.num_experts} experts is not supported")
         if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"{self.num_experts} experts in {self.n_group} groups, top {self.topk_group}")
+        if self.logit_bias and self.method == "sigmoid_noaux_tc":
+            raise ValueError("a logit bias is for softmax routing (sigmoid routing takes a correction bias)")
         if self.shared not in ("none", "ungated", "gated"):
             raise ValueError("shared must be none, ungated or gated")
         if self.expert_tile not in (16, 32) or self.token_tile not in (8, 16, 32):
@@ -218,7 +222,7 @@ class MoERoute:
         self,
         mX: cute.Tensor,  # [M, H] fp16/bf16
         mRouter: cute.Tensor,  # [E_r, H] fp16
-        mBias: cute.Tensor,  # [E] fp32 correction bias (any fp32 tensor without one)
+        mBias: cute.Tensor,  # [E] fp32 correction or logit bias (any fp32 tensor without one)
         mGivenIds: cute.Tensor,  # [M, k] int32 ("given" only; else any int32 tensor)
         mGivenW: cute.Tensor,  # [M, k] fp32
         mLogits: cute.Tensor,  # [M, E_r] fp32 scratch
@@ -442,8 +446,10 @@ class MoERoute:
             logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
                        for i in range(self.per_lane)] for row in rows]
             bias = [Float32(0.0)] * self.per_lane
-            if cutlass.const_expr(cfg.correction_bias):
+            if cutlass.const_expr(cfg.correction_bias or cfg.logit_bias):
                 bias = [Float32(mBias[cutlass.min(expert[i], n - 1)]) for i in range(self.per_lane)]
+            if cutlass.const_expr(cfg.logit_bias):  # padding experts stay -inf
+                logits = [[logit[i] + bias[i] for i in range(self.per_lane)] for logit in logits]
             scored = [self.scores(logit, expert, valid, bias) for logit in logits] if len(toks) <= 2 else []
             # the one-redux chain where latency rules (<= 2 tokens a warp; H200 route alone M=1 6.43 -> 6.24 us,
             # M=16 8.80 -> 8.51); with 4 tokens a warp its extra work costs more than it saves (M=4096 +2.5 us)

@@ -10,7 +10,7 @@ import pytest
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES
 from exl3tool.kernels.mainloop import weight_copy_count
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
-from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
+from exl3tool.kernels.moe_rotate import Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe as moe_ops
@@ -679,3 +679,35 @@ def test_fp16_partials_are_stored_and_summed_as_fp16(arch, block_rows, wgmma):
                  lambda: gemm_config(4.0, "mcg", 1, 8, partials="bfloat16")):
         with pytest.raises(ValueError, match="partials"):
             make()
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_gpt_oss_gating_and_biases_compile(arch):
+    """gpt-oss: the clamped SwiGLU with gate/up biases (``Gating``: two more fp16 vectors of the rotations table
+    loaded a block, g clamped at 7 from above and u at +-7 by compare-selects, which keep NaN as torch's clamp does,
+    sigmoid(1.702 g) by ex2.approx), in the Intermediate launch and the gate/up GEMM's fused tail alike; down
+    biases in the top-k sum (a second load a slot); a bias on the router's softmax logits. SiLU without biases
+    keeps FAST_MATH's folded scale (1/128 on up), which the others cannot take."""
+    oss = Gating("swiglu_oai", 7.0, True)
+    limit, neg_limit, alpha = "0f40E00000", "0fC0E00000", "0fC01D265F"  # 7, -7, -1.702 log2(e)
+    for plain, gated in [(IntermediateConfig(1, "stages", 2, 8), IntermediateConfig(1, "stages", 2, 8, gating=oss)),
+                         (gemm_config(4.0, "mcg", 2, 8, intermediate_splits=2),
+                          gemm_config(4.0, "mcg", 2, 8, intermediate_splits=2, gating=oss))]:
+        a, b = ptx_of(plain, arch), ptx_of(gated, arch)
+        assert limit not in a and alpha not in a and "ex2.approx" in b
+        clamps = [len(re.findall(rf"selp\.f32\s+%r\d+, {c}", b)) for c in (limit, neg_limit)]
+        assert clamps[0] == 2 * clamps[1] > 0  # g and u from above, u from below
+        assert alpha in b and b.count("ld.global") > a.count("ld.global")
+        assert "0f3C000000" in a and "0f3C000000" not in b  # 1/128: the folded scale of silu(g) * u only
+    unclamped = ptx_of(IntermediateConfig(1, "rows", 1, 4, gating=Gating("swiglu_oai")), arch)
+    assert limit not in unclamped and alpha in unclamped
+    plain, biased = TopKSumConfig(8, "float16", 1, 4), TopKSumConfig(8, "float16", 1, 4, biased=True)
+    assert ptx_of(biased, arch).count("ld.global") > ptx_of(plain, arch).count("ld.global")
+    route = ptx_of(MoERouteConfig("softmax_topk", 32, 4, logit_bias=True), arch)
+    assert route.count("ld.global") > ptx_of(MoERouteConfig("softmax_topk", 32, 4), arch).count("ld.global")
+    with pytest.raises(ValueError, match="logit bias"):
+        MoERouteConfig("sigmoid_noaux_tc", 32, 4, logit_bias=True)
+    with pytest.raises(ValueError, match="clamp"):
+        Gating("silu", 7.0)
+    with pytest.raises(ValueError, match="gating"):
+        gemm_config(4.0, "mcg", 2, 8, gating=oss)  # no fused intermediate: nothing gates

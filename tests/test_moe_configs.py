@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
+from exl3tool.kernels.moe_rotate import Gating
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops import moe
 from exl3tool.ops.moe import GroupShape, LayerShape, step_configs
@@ -46,6 +47,7 @@ LAYERS = {
                                        (group(4, "mcg", 256),)),
 }
 
+GPT_OSS_GATING = Gating("swiglu_oai", 7.0, True)
 # Published models' MoE layers as the plan sees them (at K=4 mcg): more experts, wider layers and other top-k than the
 # GPU tier's synthetic layers. Each plans on every arch; SM120 compiles three of them (``test_sm120_...``).
 MODELS = {
@@ -58,6 +60,11 @@ MODELS = {
                                              correction_bias=True, shared="ungated"),
                               7168, (group(4, "mcg", 2048), group(4, "mcg", 2048, first=256))),
     "mixtral-8x7b": LayerShape(MoERouteConfig("softmax_topk", 8, 2), 4096, (group(4, "mcg", 14336),)),
+    # gpt-oss: a bias on the softmax router's logits, biased experts 2880 wide (2944 padded), the clamped SwiGLU
+    "gpt-oss-20b": LayerShape(MoERouteConfig("softmax_topk", 32, 4, logit_bias=True), 2944,
+                              (GroupShape(4.0, "mcg", 4.0, "mcg", 2944, gating=GPT_OSS_GATING),), down_biased=True),
+    "gpt-oss-120b": LayerShape(MoERouteConfig("softmax_topk", 128, 4, logit_bias=True), 2944,
+                               (GroupShape(4.0, "mcg", 4.0, "mcg", 2944, gating=GPT_OSS_GATING),), down_biased=True),
     "minimax-m2": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 256, 8, correction_bias=True), 3072,
                              (group(4, "mcg", 1536),)),
     "lfm2-8b-a1b": LayerShape(MoERouteConfig("sigmoid_noaux_tc", 32, 4, correction_bias=True), 2048,
@@ -108,6 +115,24 @@ def test_resident_route_rows_plan_where_the_gate_up_stages_take_them(name, arch,
                 assert g.gate_up.resident_rows == tokens and g.gate_up.resident_k_tiles % 8 == 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpt_oss_steps_gate_and_bias_as_its_layer(arch):
+    """Every step of a gpt-oss layer computes its gating where the intermediate is (the Intermediate launch or the
+    gate/up GEMM's fused tail, never both), sums with the down biases and routes with the logits' bias; a gate/up
+    GEMM without the fused tail compiles as any other layer's (one kernel for both)."""
+    d = MODELS["gpt-oss-20b"]
+    for tokens in (1, 2, 5, 16, 64, 256, 1024, 4096):
+        step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")
+        (g,) = step.groups
+        assert step.route.logit_bias and step.route.method == "softmax_topk"
+        sums = [step.topk] if step.topk is not None else [g.down.topk_sum]
+        assert all(c.biased for c in sums), tokens
+        if g.intermediate is None:
+            assert g.gate_up.intermediate_splits and g.gate_up.gating == GPT_OSS_GATING, tokens
+        else:
+            assert g.intermediate.gating == GPT_OSS_GATING and g.gate_up.gating == Gating(), tokens
+
+
 def test_sm120_plans_128_row_blocks_with_the_intermediate_launch():
     d = LAYERS["qwen3-30b-shape-k4-mcg"]
     step = step_configs(d, 4096, False, "sm_120a", 170, "float16", "float16")
@@ -132,7 +157,7 @@ def test_sm120_steps_compile(tokens):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "deepseek-v3", "mixtral-8x7b"])
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-20b"])
 def test_sm120_compiles_published_models(name):
     """What an RTX 5090 compiles for 512 experts at top-10, a 7168-wide layer with group-limited routing, and a
     14336-wide intermediate: every distinct config of four steps, within 99 KB of shared memory."""

@@ -14,10 +14,11 @@ Per call (no host sync, no allocation; CUDA-graph capturable once each M was run
   2 rotate      per packed route: H128(x * gate_suh), H128(x * up_suh) of its expert -> fp16 (one token: in
                 the gate/up GEMM's prologue, into shared memory, no launch)
   3 gate/up     decode GEMM from w13 (split-K partials, fp32; fp16 for one split from HALF_PARTIALS_MIN_TOKENS)
-  4 intermediate  split sums, output rotations, SiLU gate, down input rotation -> fp16 (small route blocks and
-                a short gate/up grid, e.g. decode: in that GEMM's last CTA per 128 columns, no launch)
+  4 intermediate  split sums, output rotations (+ biases), SiLU gate or gpt-oss's clamped SwiGLU, down input
+                rotation -> fp16 (small route blocks and a short gate/up grid, e.g. decode: in that GEMM's last
+                CTA per 128 columns, no launch)
   5 down        decode GEMM from w2 (split-K partials, as gate/up's)
-  6 top-k sum   per token: output rotation * down_svh of each route's expert, weighted, summed in slot order
+  6 top-k sum   per token: output rotation * down_svh (+ bias) of each route's expert, weighted, summed in slot order
                 (one token: in the last down GEMM CTA per 128 columns, over every group's launch, no launch)
 Each token's result depends only on its own routes (rows are computed independently, sums in fixed order), so
 it does not depend on the rest of the batch for a given plan and M.
@@ -35,7 +36,9 @@ from exl3tool.format import Codebook
 from exl3tool.kernels.gemm import SharedMemoryError, fitting_config
 from exl3tool.kernels.mainloop import WGMMA_MAX_GROUPS
 from exl3tool.kernels.moe_gemm import MoEGemmConfig, fuses_intermediate
-from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
+from exl3tool.kernels.moe_rotate import (
+    GATE_ACTIVATIONS, SILU_GATING, Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig,
+)
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_kernels as K
@@ -284,8 +287,9 @@ class DeviceExpertGroup:
     w2: torch.Tensor  # int32 [1, E_g, I_p/16, H_p/16, 8K]
     gate_suh: torch.Tensor  # fp16 [E_g, H_p]
     up_suh: torch.Tensor
-    rotations: torch.Tensor  # fp16 [E_g, 3*I_p]: gate_svh | up_svh | down_suh
-    down_svh: torch.Tensor  # fp16 [E_g, H_p]
+    rotations: torch.Tensor  # fp16 [E_g, gating.planes*I_p]: gate_svh | up_svh | down_suh (| gate bias | up bias)
+    down_svh: torch.Tensor  # fp16 [E_g, H_p] (| down bias [E_g, H_p] where the layer's down_biased)
+    gating: Gating = SILU_GATING
     group_row: torch.Tensor = None  # int32 [E']: row of each expert in this group, -1 elsewhere
 
     # the power of two that scales the largest |gate/up suh| into [1/2, 1]: the tensor-core input rotation's
@@ -318,10 +322,11 @@ class DeviceMoE:
     hidden_padded: int
     route: MoERouteConfig  # without x_dtype (set per plan)
     router: torch.Tensor  # fp16 [E (+1 gate row), hidden]
-    correction_bias: torch.Tensor | None  # fp32 [E]
+    route_bias: torch.Tensor | None  # fp32 [E]: the correction bias (sigmoid) or the logits' bias (softmax)
     groups: list[DeviceExpertGroup]
-    down_svh: torch.Tensor  # fp16 [rows, H_p]: every expert's down_svh
+    down_svh: torch.Tensor  # fp16 [rows, H_p]: every expert's down_svh (| its down bias where down_biased)
     svh_row: torch.Tensor  # int32 [E']: its row there
+    down_biased: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -337,19 +342,17 @@ class DeviceMoE:
             raise UnsupportedFeatureError(f"MoE routing {r.method!r} has no fused kernel", tensor=moe.name)
         if moe.hidden % 4:
             raise UnsupportedFeatureError(f"hidden size {moe.hidden} is not a multiple of 4", tensor=moe.name)
-        if moe.router_bias is not None:
-            raise UnsupportedFeatureError("a router with a bias on its logits has no fused kernel", tensor=moe.name)
-        mlps = (*moe.block.experts, *((moe.block.shared_experts,) if moe.block.shared_experts else ()))
-        other = {m.activation for m in mlps} - {"silu"}  # the kernels' Intermediate computes SiLU (moe_rotate.silu)
-        if other:
-            raise UnsupportedFeatureError(f"the fused MoE kernel gates with SiLU, not {', '.join(sorted(other))}",
+        if moe.router_bias is not None and r.method != "softmax_topk":
+            raise UnsupportedFeatureError("a router bias on the logits of sigmoid routing has no fused kernel",
                                           tensor=moe.name)
+        activation, limit = layer_activation(moe)
         on = lambda t, dtype=None: t.to(device=device, dtype=dtype or t.dtype).contiguous()  # noqa: E731
-        groups = [_group(g, on, moe.name) for g in moe.groups]
+        down_biased = any(g.w2_bias is not None for g in moe.groups)
+        groups = [_group(g, on, moe.name, activation, limit, down_biased) for g in moe.groups]
         shared = "none"
         router = on(moe.router, torch.float16)
         if moe.shared is not None:
-            groups.append(_shared_group(moe.shared, moe.num_experts, on, moe.name))
+            groups.append(_shared_group(moe.shared, moe.num_experts, on, moe.name, activation, limit, down_biased))
             if moe.shared_gate is not None:
                 shared = "gated"
                 router = torch.cat([router, on(moe.shared_gate, torch.float16).reshape(1, -1)])
@@ -372,15 +375,29 @@ class DeviceMoE:
         single = len(groups) == 1 and groups[0].experts == tuple(range(moe.num_experts))
         down_svh = groups[0].down_svh if single else torch.cat([g.down_svh for g in groups])
         cfg = MoERouteConfig(r.method, moe.num_experts, r.top_k, r.normalize, float(r.scale), r.n_group,
-                             r.topk_group, moe.correction_bias is not None, shared)
-        bias = None if moe.correction_bias is None else on(moe.correction_bias, torch.float32)
+                             r.topk_group, moe.correction_bias is not None, moe.router_bias is not None, shared)
+        bias = moe.correction_bias if moe.correction_bias is not None else moe.router_bias
+        bias = None if bias is None else on(bias, torch.float32)
         return cls(moe.name, moe.num_experts, moe.hidden, moe.hidden_padded, cfg, router, bias, groups, down_svh,
-                   svh_row.to(device))
+                   svh_row.to(device), down_biased)
 
 
-def _check_group(name, what, w13_bits, w13_cb, w2_bits, w2_cb, biased):
-    if biased:
-        raise UnsupportedFeatureError(f"{what} with biases have no fused kernel", tensor=name)
+def layer_activation(moe) -> tuple[str, float]:
+    """(activation, clamp limit or 0) of every expert of the layer (moe_rotate.Gating's), or
+    UnsupportedFeatureError: one the kernels' Intermediate does not compute, or experts that differ."""
+    mlps = (*moe.block.experts, *((moe.block.shared_experts,) if moe.block.shared_experts else ()))
+    kinds = {(m.activation, float(m.activation_limit or 0.0)) for m in mlps}
+    other = {a for a, _ in kinds} - set(GATE_ACTIVATIONS)
+    if other:
+        raise UnsupportedFeatureError(f"the fused MoE kernel gates with {' or '.join(GATE_ACTIVATIONS)}, not "
+                                      f"{', '.join(sorted(other))}", tensor=moe.name)
+    if len(kinds) > 1:
+        raise UnsupportedFeatureError(f"the experts gate differently ({sorted(kinds)}): no fused kernel",
+                                      tensor=moe.name)
+    return next(iter(kinds))
+
+
+def _check_group(name, what, w13_bits, w13_cb, w2_bits, w2_cb):
     for bits, cb in ((w13_bits, w13_cb), (w2_bits, w2_cb)):
         try:
             MoEGemmConfig(bits, Codebook(cb).value, 1)
@@ -388,30 +405,42 @@ def _check_group(name, what, w13_bits, w13_cb, w2_bits, w2_cb, biased):
             raise UnsupportedFeatureError(f"{what}: {err}", tensor=name) from None
 
 
-def _group(g, on, name) -> DeviceExpertGroup:
-    _check_group(name, "experts", g.w13_bits, g.w13_codebook, g.w2_bits, g.w2_codebook,
-                 g.w13_bias is not None or g.w2_bias is not None)
+def _group(g, on, name, activation: str, limit: float, down_biased: bool) -> DeviceExpertGroup:
+    """One expert group as stacked (zero-copy), but for biases: gate/up's join the rotations table and down's the
+    down_svh table (moe_rotate.Gating / TopKSumConfig.biased; copies of E_g x 2 vectors, made once here)."""
+    _check_group(name, "experts", g.w13_bits, g.w13_codebook, g.w2_bits, g.w2_codebook)
     w2 = on(g.w2)
+    rotations, down_svh = on(g.intermediate_rotations), on(g.down_svh)
+    if g.w13_bias is not None:
+        rotations = torch.cat([rotations, on(g.w13_bias[0]), on(g.w13_bias[1])], dim=1)
+    if down_biased:
+        down_svh = torch.cat([down_svh, torch.zeros_like(down_svh) if g.w2_bias is None else on(g.w2_bias)], dim=1)
     return DeviceExpertGroup(
         tuple(g.experts), g.w13_bits, Codebook(g.w13_codebook).value, g.w2_bits, Codebook(g.w2_codebook).value,
         g.intermediate, g.intermediate_padded, K.as_words(on(g.w13)), K.as_words(w2).unsqueeze(0),
-        on(g.gate_suh), on(g.up_suh), on(g.intermediate_rotations), on(g.down_svh))
+        on(g.gate_suh), on(g.up_suh), rotations, down_svh, Gating(activation, limit, g.w13_bias is not None))
 
 
-def _shared_group(mlp, expert_id: int, on, name) -> DeviceExpertGroup:
+def _shared_group(mlp, expert_id: int, on, name, activation: str, limit: float,
+                  down_biased: bool) -> DeviceExpertGroup:
     """The shared experts (one dense gated MLP) as a group of one expert: stacked once at plan time."""
     gate, up, down = mlp.gate, mlp.up, mlp.down
     if (gate.info.bits, gate.info.codebook) != (up.info.bits, up.info.codebook):
         raise UnsupportedFeatureError("shared expert gate and up differ in K or codebook", tensor=name)
-    _check_group(name, "shared experts", gate.info.bits, gate.info.codebook, down.info.bits, down.info.codebook,
-                 any(t.bias is not None for t in (gate, up, down)))
+    if any(t.bias is not None for t in (gate, up, down)):
+        raise UnsupportedFeatureError("shared experts with biases have no fused kernel", tensor=name)
+    _check_group(name, "shared experts", gate.info.bits, gate.info.codebook, down.info.bits, down.info.codebook)
     w13 = torch.stack([on(gate.trellis), on(up.trellis)]).unsqueeze(1)
     rotations = torch.cat([on(gate.svh), on(up.svh), on(down.suh)]).unsqueeze(0)
+    down_svh = on(down.svh).unsqueeze(0)
+    if down_biased:
+        down_svh = torch.cat([down_svh, torch.zeros_like(down_svh)], dim=1)
     return DeviceExpertGroup(
         (expert_id,), gate.info.bits, Codebook(gate.info.codebook).value, down.info.bits,
         Codebook(down.info.codebook).value, gate.info.out_features, gate.info.out_padded,
         K.as_words(w13.contiguous()), K.as_words(on(down.trellis)).unsqueeze(0).unsqueeze(0),
-        on(gate.suh).unsqueeze(0), on(up.suh).unsqueeze(0), rotations.contiguous(), on(down.svh).unsqueeze(0))
+        on(gate.suh).unsqueeze(0), on(up.suh).unsqueeze(0), rotations.contiguous(), down_svh.contiguous(),
+        Gating(activation, limit))
 
 
 # --- planning ------------------------------------------------------------------------------------------------
@@ -430,6 +459,7 @@ class GroupShape:
     first_expert: int = 0
     suh_shift: int = 0
     suh_aligned: bool = True
+    gating: Gating = SILU_GATING
 
 
 @dataclass(frozen=True)
@@ -439,6 +469,7 @@ class LayerShape:
     route: MoERouteConfig
     hidden_padded: int
     groups: tuple[GroupShape, ...]
+    down_biased: bool = False
 
 
 @dataclass(frozen=True)
@@ -494,14 +525,14 @@ def intermediate_blocks_per_warp(blocks: int) -> int:
     return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP + 1) if blocks % d == 0)
 
 
-def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0,
-                        partials: str = "float32") -> IntermediateConfig:
+def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0, partials: str = "float32",
+                        gating: Gating = SILU_GATING) -> IntermediateConfig:
     """The Intermediate launch for an intermediate of ``blocks`` 128-column blocks: blocks a warp as above, and
     INTERMEDIATE_LANE_VALUES a lane where they are even; route blocks of ``block_rows`` compiled in where
-    INTERMEDIATE_CONSTANT_BLOCK_ROWS; the gate/up GEMM's ``partials`` dtype."""
+    INTERMEDIATE_CONSTANT_BLOCK_ROWS; the gate/up GEMM's ``partials`` dtype; the group's ``gating``."""
     per_warp = intermediate_blocks_per_warp(blocks)
     return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4,
-                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials)
+                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials, gating)
 
 
 def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
@@ -748,7 +779,7 @@ class MoEPlan:
         route_row = self.route_row[: tokens * k]
         rank = self.rank[: tokens * k]
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
-        bias = d.correction_bias if d.correction_bias is not None else self.dummy_f32.view(1)
+        bias = d.route_bias if d.route_bias is not None else self.dummy_f32.view(1)
         step.route = (K.compiled(c.route, arch), *map(to_ffi, (d.router, bias, self.dummy_i32, self.dummy_f32,
                                                                 logits, ids, weights, rank, self.counters,
                                                                 self.counts, self.expert_row, block_expert,
@@ -853,7 +884,8 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
-    topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2)
+    topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2,
+                         d.down_biased)
     topk_fused = fused_topk(tokens, given)
     groups = []
     for g in d.groups:
@@ -869,7 +901,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
                           **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
                           x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
                           next_after_loop=early, group_first=first, ready_signal=s.ready_counters,
-                          partials=partials13)
+                          partials=partials13, gating=g.gating if s.fused_intermediate else SILU_GATING)
         g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
                          **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
                          weights_before_wait=early, group_first=first, ready_wait=s.ready_counters,
@@ -882,7 +914,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
             input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
         g13 = resident13 or replace(g13, weights_before_wait=early13)
         intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128,
-                                                                              s.block_rows, partials13)
+                                                                              s.block_rows, partials13, g.gating)
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))

@@ -58,12 +58,14 @@ def reference_given(reader, moe, x, ids, weights) -> torch.Tensor:
 def check_routes(moe, x, ids, weights) -> None:
     """The kernel's top-k = the reference's, except where the reference's k-th and (k+1)-th choice are a
     near-tie (fp32 summation order alone can swap those)."""
-    w_ref, i_ref = reference.route(x, moe.router.to(x.device), moe.routing,
-                                   None if moe.correction_bias is None else moe.correction_bias.to(x.device))
+    on = lambda t: None if t is None else t.to(x.device)  # noqa: E731
+    w_ref, i_ref = reference.route(x, on(moe.router), moe.routing, on(moe.correction_bias), on(moe.router_bias))
     k = moe.routing.top_k
     same = (ids[:, :k].sort(1).values == i_ref.sort(1).values.int()).all(1)
     if not same.all():
         choice = x.float() @ moe.router.to(x.device).float().T
+        if moe.router_bias is not None:
+            choice = choice + moe.router_bias.to(x.device).float()
         if moe.routing.method == "sigmoid_noaux_tc":
             choice = choice.sigmoid() + (0 if moe.correction_bias is None else moe.correction_bias.to(x.device).float())
         top = choice.sort(1, descending=True).values
@@ -148,6 +150,10 @@ SYNTHETIC = {
     # LFM2-MoE's routing (sigmoid scores chosen with its expert_bias, scaled by 2.5) in feed_forward blocks
     "lfm2-moe-expert-bias": (dict(arch="lfm2_moe", hidden=256, moe_intermediate=256, num_experts=32, top_k=4,
                                   bits=4, codebook="mcg"), [1, 7, 120]),
+    # gpt-oss's blocks (a bias on the softmax router's logits, biased experts, the clamped SwiGLU) at widths that
+    # pad, as its 2880 does; 1100 tokens take warpgroup-MMA route blocks with the Intermediate and TopKSum launches
+    "gpt-oss-biased-swiglu": (dict(arch="gpt_oss", hidden=576, intermediate=448, num_experts=32, top_k=4, bits=4,
+                                   codebook="mcg"), [1, 3, 16, 200, 1100]),
 }
 
 
@@ -192,6 +198,37 @@ def test_softmax_routing_with_ungated_shared_experts(tmp_path):
     with exl3tool.open_checkpoint(path) as ckpt:
         moe, _, _ = run_layer(ckpt, 0, [1, 9, 100])
         assert moe.routing.method == "softmax_topk" and moe.shared is not None and moe.shared_gate is None
+
+
+def test_gpt_oss_blocks_run_fused(synthetic):
+    """gpt-oss through the fused kernel (its reference check: ``test_synthetic_layers_match_the_reference``): every
+    step gates with the clamped SwiGLU and both biases, the router adds its logits' bias, and the layer's output
+    moves when any of them changes (each reaches y). Graph replay is bit-identical to eager."""
+    reader = synthetic("gpt-oss-biased-swiglu")
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    (g,) = dmoe.groups
+    assert dmoe.route.logit_bias and dmoe.down_biased and g.gating.biased
+    assert (g.gating.activation, g.gating.limit) == ("swiglu_oai", moe.block.experts[0].activation_limit)
+    plan = plan_moe(dmoe, 64)
+    x = (torch.randn(64, moe.hidden, device="cuda") * 0.1).half()
+    for m in (1, 64):
+        eager = moe_forward(x[:m], plan).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_forward(x[:m], plan)
+        poison(plan)
+        graph.replay()
+        assert torch.equal(out, eager), m
+        for table, cols in ((g.rotations, slice(3 * g.intermediate_padded, None)),
+                            (dmoe.down_svh, slice(dmoe.hidden_padded, None)), (dmoe.route_bias, slice(None))):
+            saved = table.clone()
+            part = table[..., cols]  # every bias (gate and up, down, the router's), each moved differently
+            part += torch.linspace(0.0, 1.0, part.shape[-1], device="cuda", dtype=part.dtype)
+            moved = moe_forward(x[:m], plan).clone()
+            table.copy_(saved)
+            assert not torch.equal(moved, eager), (m, table.shape)
+        assert torch.equal(moe_forward(x[:m], plan), eager)
 
 
 def test_bf16_activations(synthetic):
@@ -271,7 +308,7 @@ def test_graph_replay_is_bit_identical_without_host_sync(synthetic):
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1,)), ("k3.5-mul1-shared-gated", (1, 5)),
-                                     ("two-groups-k3-k5", (1, 2))])
+                                     ("two-groups-k3-k5", (1, 2)), ("gpt-oss-biased-swiglu", (1, 3))])
 def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(synthetic, name, ms, monkeypatch):
     """At decode the gate/up GEMM rotates x itself (M = 1: prologue, each expert's suh) and does the intermediate
     (one-wave grid: its last CTA per 128 columns), and the down GEMM does the top-k sum (M = 1: its last CTA per

@@ -89,18 +89,17 @@ def test_moe_path_is_chosen_and_reported(path):
     assert any(".experts." in c["name"] and c["kind"] == "linear" for c in report["checks"])
 
 
-def test_gpt_oss_moe_runs_per_expert_and_the_fused_kernel_refuses_it(tmp_path):
-    """gpt-oss: a router with a bias, experts with biases and the clamped SwiGLU. verify's per-expert path checks the
-    block (routing in torch with the bias, each expert through the dense kernels with its biases); the fused kernel
-    has none of the three and refuses the block with one line, exit 1 (unsupported)."""
+def test_gpt_oss_moe_runs_fused_and_per_expert(tmp_path):
+    """gpt-oss: a router with a bias, experts with biases and the clamped SwiGLU. Both of verify's paths check the
+    block against the reference: the fused kernel (the logits' bias in the route kernel, the gate/up biases and
+    the clamped SwiGLU in the intermediate, the down biases in the top-k sum) and the per-expert one (routing in
+    torch with the bias, each expert through the dense kernels with its biases)."""
     from exl3tool.synthetic import write_checkpoint
 
     path = write_checkpoint(tmp_path / "oss", arch="gpt_oss", num_layers=1, hidden=256, intermediate=256,
                             num_experts=8, top_k=4, embeddings=False)
-    result = run_cli("verify", path, "--layer", "0", "--moe-path", "per-expert", "--format", "json")
-    assert result.exit_code == 0, result.stdout + result.stderr
-    moe = [c for c in result.json()["checks"] if c["kind"] == "moe"]
-    assert len(moe) == 1 and moe[0]["passed"] and moe[0]["path"] == "per-expert"
-    refused = run_cli("verify", path, "--layer", "0")
-    assert refused.exit_code == 1, refused.stderr
-    assert "no fused kernel (--moe-path per-expert runs it)" in refused.stderr, refused.stderr
+    for moe_path in ("fused", "per-expert"):
+        result = run_cli("verify", path, "--layer", "0", "--moe-path", moe_path, "--format", "json")
+        assert result.exit_code == 0, result.stdout + result.stderr
+        moe = [c for c in result.json()["checks"] if c["kind"] == "moe"]
+        assert len(moe) == 1 and moe[0]["passed"] and moe[0]["path"] == moe_path
