@@ -3,8 +3,9 @@ fewer where the GEMMs take over the steps around them (``MoEPlan.launches``: 1 +
 
     DeviceMoE.from_layer(moe_layer, device)    the stacked expert groups as the kernels read them: zero-copy
                                                from ``load_prepared(..., device="cuda").moe(n)`` (or a source
-                                               checkpoint's ``moe(n, device)``); shared experts become one more
-                                               group of one expert that every token routes to
+                                               checkpoint's ``moe(n, device)``), but biases, copied into the
+                                               rotation tables; shared experts become one more group of one
+                                               expert that every token routes to
     plan_moe(dmoe, max_tokens, x_dtype=torch.float16, out_dtype=None) -> MoEPlan   scratch for up to max_tokens
     moe_forward(x, plan, out=None, topk_ids=None, topk_weights=None) -> y [M, hidden]
 
