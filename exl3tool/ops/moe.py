@@ -406,16 +406,23 @@ def _check_group(name, what, w13_bits, w13_cb, w2_bits, w2_cb):
             raise UnsupportedFeatureError(f"{what}: {err}", tensor=name) from None
 
 
+def _down_table(svh: torch.Tensor, bias: torch.Tensor | None, down_biased: bool) -> torch.Tensor:
+    """A group's rows of the down_svh table: ``svh`` [E_g, H_p], and where the layer's experts have down biases
+    (``down_biased``) beside it the group's biases, zeros for a group without them (TopKSumConfig.biased)."""
+    if not down_biased:
+        return svh
+    return torch.cat([svh, torch.zeros_like(svh) if bias is None else bias], dim=1)
+
+
 def _group(g, on, name, activation: str, limit: float, down_biased: bool) -> DeviceExpertGroup:
     """One expert group as stacked (zero-copy), but for biases: gate/up's join the rotations table and down's the
     down_svh table (moe_rotate.Gating / TopKSumConfig.biased; copies of E_g x 2 vectors, made once here)."""
     _check_group(name, "experts", g.w13_bits, g.w13_codebook, g.w2_bits, g.w2_codebook)
     w2 = on(g.w2)
-    rotations, down_svh = on(g.intermediate_rotations), on(g.down_svh)
+    rotations = on(g.intermediate_rotations)
     if g.w13_bias is not None:
         rotations = torch.cat([rotations, on(g.w13_bias[0]), on(g.w13_bias[1])], dim=1)
-    if down_biased:
-        down_svh = torch.cat([down_svh, torch.zeros_like(down_svh) if g.w2_bias is None else on(g.w2_bias)], dim=1)
+    down_svh = _down_table(on(g.down_svh), None if g.w2_bias is None else on(g.w2_bias), down_biased)
     return DeviceExpertGroup(
         tuple(g.experts), g.w13_bits, Codebook(g.w13_codebook).value, g.w2_bits, Codebook(g.w2_codebook).value,
         g.intermediate, g.intermediate_padded, K.as_words(on(g.w13)), K.as_words(w2).unsqueeze(0),
@@ -433,9 +440,7 @@ def _shared_group(mlp, expert_id: int, on, name, activation: str, limit: float,
     _check_group(name, "shared experts", gate.info.bits, gate.info.codebook, down.info.bits, down.info.codebook)
     w13 = torch.stack([on(gate.trellis), on(up.trellis)]).unsqueeze(1)
     rotations = torch.cat([on(gate.svh), on(up.svh), on(down.suh)]).unsqueeze(0)
-    down_svh = on(down.svh).unsqueeze(0)
-    if down_biased:
-        down_svh = torch.cat([down_svh, torch.zeros_like(down_svh)], dim=1)
+    down_svh = _down_table(on(down.svh).unsqueeze(0), None, down_biased)
     return DeviceExpertGroup(
         (expert_id,), gate.info.bits, Codebook(gate.info.codebook).value, down.info.bits,
         Codebook(down.info.codebook).value, gate.info.out_features, gate.info.out_padded,
