@@ -17,7 +17,9 @@ TopKSum             per token t: ``y[t] = sum_j w[t, j] * (H128(sum_s P2[s, rout
                     slots j in order and splits in order (deterministic), then cast to y's dtype. A CTA takes
                     ``blocks_per_cta`` column blocks of a token; its warps share the slots (a slot's indices are
                     loaded once for all its blocks) and the terms are summed from shared memory in slot order.
-Rows of unused blocks, padding rows (row_route -1) and rows of other groups are skipped; nothing reads them.
+Rows of unused blocks, padding rows (row_route -1) and rows of other groups are skipped; nothing reads them. With
+``by_route`` the Intermediate's warps go by route instead (row ``route_row[t*k' + j]``, group from ``topk_ids``), so
+that no CTA lands on padding rows.
 X and X2 rows are stored in the column order the MoE GEMMs read them in (``x_order``, ``store_x_values``).
 """
 
@@ -347,6 +349,9 @@ class IntermediateConfig:
     block_rows: int = 0
     partials: str = "float32"  # the gate/up GEMM's (MoEGemmConfig.partials)
     gating: Gating = SILU_GATING
+    # A warp per route (its row from route_row, its group from its expert's id), not per packed row: no CTA of the
+    # grid lands on padding rows (at M=4096 the 320-row blocks hold 32768 routes in 73920 rows).
+    by_route: bool = False
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
@@ -361,23 +366,34 @@ class Intermediate:
 
     @cute.jit
     def __call__(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
-                 mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32,
-                 stream: cuda.CUstream):
+                 mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor,
+                 inter_true: Int32, block_rows: Int32, stream: cuda.CUstream):
         blocks = mRot.shape[1] // self.cfg.gating.planes // 128 // self.cfg.blocks_per_warp  # of blocks_per_warp
-        grid = (blocks, (mX2.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
-        self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, inter_true, block_rows).launch(
-            grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream, **ptx.pdl_launch())
+        warps = mRouteRow.shape[0] if self.cfg.by_route else mX2.shape[0]
+        grid = (blocks, (warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
+        self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, mIds, mRouteRow, inter_true,
+                    block_rows).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream,
+                                       **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
-               mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, inter_true: Int32, block_rows: Int32):
+               mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor,
+               inter_true: Int32, block_rows: Int32):
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         tid, _, _ = cute.arch.thread_idx()
         block, rows, _ = cute.arch.block_idx()
         lane = tid % 32
-        row = rows * ROWS_PER_CTA + tid // 32
-        route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row,
-                                self.cfg.block_rows if self.cfg.block_rows else block_rows)
+        at = rows * ROWS_PER_CTA + tid // 32
+        route, p, row = Int32(-1), Int32(-1), at
+        if cutlass.const_expr(self.cfg.by_route):
+            # route ``at`` (t*k' + j): its expert's group row; its packed row as the input rotation placed it
+            if at < mRouteRow.shape[0]:
+                route = at
+                p = mGroupRow[mIds[at // mIds.shape[1], at % mIds.shape[1]]]
+                row = mRouteRow[at]
+        else:
+            route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row,
+                                    self.cfg.block_rows if self.cfg.block_rows else block_rows)
         if route >= 0 and p >= 0:
             intermediate_row(mP, mRot, mX2, row, p, block * self.cfg.blocks_per_warp, lane, inter_true,
                              self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp, self.cfg.lane_values,

@@ -219,6 +219,7 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
                                     IntermediateConfig(1, "stages", 2, 8),
                                     IntermediateConfig(1, "doubled"), IntermediateConfig(1, "rows", 2, 8),
                                     IntermediateConfig(2, "fragments", 4, 8),
+                                    IntermediateConfig(1, "stages", 6, 8, 320, "float16", by_route=True),
                                     TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
                                     TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4),

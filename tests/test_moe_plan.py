@@ -130,6 +130,16 @@ def test_the_intermediate_takes_two_blocks_a_warp_where_they_divide_the_row():
     # 8 values a lane (both blocks at once) where the warp takes two
     assert [(c.blocks_per_warp, c.lane_values) for c in (intermediate_config(1, "rows", b) for b in (3, 6))] == [
         (1, 4), (2, 8)]
+    assert not any(intermediate_config(1, "rows", b).by_route for b in (3, 6))
+
+
+def test_the_intermediate_of_half_partials_takes_up_to_six_blocks_a_warp_and_a_warp_per_route():
+    """fp16 gate/up partials (from HALF_PARTIALS_MIN_TOKENS): up to six 128-column blocks a warp, the most that
+    divide the row's, and the launch's warps go by route, not by packed row (padding rows get no CTA)."""
+    assert [intermediate_blocks_per_warp(b, "float16") for b in (1, 2, 3, 6, 7, 8, 12, 23)] == [1, 2, 3, 6, 1, 4, 6, 1]
+    configs = [intermediate_config(1, "rows", b, partials="float16") for b in (3, 6, 7)]
+    assert [(c.blocks_per_warp, c.lane_values, c.by_route) for c in configs] == [
+        (3, 4, True), (6, 8, True), (1, 4, True)]
 
 
 def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():

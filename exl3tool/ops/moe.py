@@ -59,11 +59,14 @@ ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the
 WIDE_ROTATION_PAIRS_PER_SM, WIDE_ROTATION = 64, (8, 4)
 SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA (at most; sum_blocks_per_cta)
 # The Intermediate launch takes up to this many 128-column blocks of a packed row per warp (moe_rotate: the row's
-# index lookups once, every block's loads issued before the first butterfly). H200, E=128 top-8 2048x768 K=4 mcg
-# (6 blocks), layer graph, two rounds, y bit-identical, Intermediate kernel us (1 -> 2 -> 3 -> 6 blocks): M=256 12.1
-# -> 10.4 -> 11.6 -> 13.1, M=1024 34.4 -> 27.8 -> 30.5 -> 34.3, M=4096 136.1 -> 109.3 -> 116.9 -> 123.9 (layer
-# 1344.7 / 1330.5 -> 1314.9 / 1311.4).
-INTERMEDIATE_MAX_BLOCKS_PER_WARP = 2
+# index lookups once, every block's loads issued before the first butterfly), by the gate/up partials' dtype. fp32:
+# H200, E=128 top-8 2048x768 K=4 mcg (6 blocks), layer graph, two rounds, y bit-identical, Intermediate kernel us
+# (1 -> 2 -> 3 -> 6 blocks): M=256 12.1 -> 10.4 -> 11.6 -> 13.1, M=1024 34.4 -> 27.8 -> 30.5 -> 34.3, M=4096 136.1 ->
+# 109.3 -> 116.9 -> 123.9. fp16 (half the bytes a load, so more loads in flight pay): H100, Intermediate kernel us,
+# two rounds, y bit-identical, 2 blocks by packed row -> 6 blocks by route (INTERMEDIATE_BY_ROUTE): M=512 12.21 ->
+# 11.70, M=1024 19.94 -> 19.61, M=2048 37.31 -> 34.85, M=4096 87.35 -> 70.50 (6 by row 71.36; 2 by route 75.49;
+# 3 by route 79.73) (docs/perf.md, fifty-fifth session).
+INTERMEDIATE_MAX_BLOCKS_PER_WARP = {"float32": 2, "float16": 6}
 # Values a lane of the Intermediate launch where a warp takes an even number of blocks: 8 (two blocks at once: four
 # butterfly exchanges instead of five, sm_90a 96 SHFL instead of 120 for two blocks, 832 SASS instead of 880; the same
 # bits) or 4. H200, E=128 top-8 2048x768 K=4 mcg, Intermediate kernel us, two rounds, y bit-identical (4 -> 8):
@@ -74,6 +77,9 @@ INTERMEDIATE_LANE_VALUES = 8
 # 2048x768 K=4 mcg, Intermediate kernel us, three rounds, y bit-identical (off -> on): M=1024 23.26 -> 22.57, M=4096
 # 96.86 -> 92.91 (docs/perf.md, forty-seventh session). An A/B switch.
 INTERMEDIATE_CONSTANT_BLOCK_ROWS = True
+# The Intermediate launch a warp per route (IntermediateConfig.by_route), not per packed row, by the partials' dtype
+# (above: with fp16 ones; at M=4096 the 320-row blocks hold 32768 routes in 73920 rows).
+INTERMEDIATE_BY_ROUTE = {"float32": False, "float16": True}
 # Route blocks of warpgroup-MMA GEMMs (X in rows or stages order) take the route input rotation a warp per 8
 # routes, its H128s on the tensor cores (RouteInputRotationConfig.hadamard "mma", kernels.hadamard_mma; fp16 x,
 # 16-byte aligned suh). The shuffle rotation is issue- and L1-bound (H200 ncu, M=4096: 75% issue, L1 87%).
@@ -525,20 +531,22 @@ def input_rotation_layout(tokens: int, blocks: int, routes_per_token: int, sm_co
     return 4, routes_per_token if pairs < ROTATION_WARPS_PER_SM * sm_count else 1
 
 
-def intermediate_blocks_per_warp(blocks: int) -> int:
+def intermediate_blocks_per_warp(blocks: int, partials: str = "float32") -> int:
     """128-column blocks of a packed row one warp of the ``Intermediate`` launch takes: the most that divide the
-    intermediate's ``blocks``, up to INTERMEDIATE_MAX_BLOCKS_PER_WARP."""
-    return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP + 1) if blocks % d == 0)
+    intermediate's ``blocks``, up to INTERMEDIATE_MAX_BLOCKS_PER_WARP for the gate/up ``partials``."""
+    return max(d for d in range(1, INTERMEDIATE_MAX_BLOCKS_PER_WARP[partials] + 1) if blocks % d == 0)
 
 
 def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0, partials: str = "float32",
                         gating: Gating = SILU_GATING) -> IntermediateConfig:
     """The Intermediate launch for an intermediate of ``blocks`` 128-column blocks: blocks a warp as above, and
     INTERMEDIATE_LANE_VALUES a lane where they are even; route blocks of ``block_rows`` compiled in where
-    INTERMEDIATE_CONSTANT_BLOCK_ROWS; the gate/up GEMM's ``partials`` dtype; the group's ``gating``."""
-    per_warp = intermediate_blocks_per_warp(blocks)
+    INTERMEDIATE_CONSTANT_BLOCK_ROWS; the gate/up GEMM's ``partials`` dtype; the group's ``gating``; a warp per
+    route where INTERMEDIATE_BY_ROUTE says so for those partials."""
+    per_warp = intermediate_blocks_per_warp(blocks, partials)
     return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4,
-                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials, gating)
+                              block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials, gating,
+                              INTERMEDIATE_BY_ROUTE[partials])
 
 
 def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
@@ -820,8 +828,8 @@ class MoEPlan:
             step.launches.append((K.launch_gemm, K.compiled(g13, arch), gate_up))
             if gc.intermediate is not None:
                 step.launches.append((K.launch_intermediate, K.compiled(gc.intermediate, arch),
-                                      (p13, g.rotations, x2, row_route, block_expert, g.group_row, g.intermediate,
-                                       s.block_rows)))
+                                      (p13, g.rotations, x2, row_route, block_expert, g.group_row, ids, route_row,
+                                       g.intermediate, s.block_rows)))
             down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, gc.per2,
                     None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
             if g2.topk_sum is not None:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters

@@ -77,7 +77,7 @@ def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
 
 def build_intermediate(cfg: IntermediateConfig, options: str):
     args = [partials_tensor(cfg), fake_tensor(F16, None, None), fake_tensor(F16, None, None), fake_tensor(I32, None),
-            fake_tensor(I32, None), fake_tensor(I32, None), 0, 0]
+            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None, None), fake_tensor(I32, None), 0, 0]
     return _compile(Intermediate(cfg), args, options)
 
 
@@ -124,9 +124,9 @@ def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, gr
     fn(x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row)
 
 
-def launch_intermediate(fn, partials, rotations, x2, row_route, block_expert, group_row, inter_true: int,
-                        block_rows: int):
-    fn(partials, rotations, x2, row_route, block_expert, group_row, inter_true, block_rows)
+def launch_intermediate(fn, partials, rotations, x2, row_route, block_expert, group_row, ids, route_row,
+                        inter_true: int, block_rows: int):
+    fn(partials, rotations, x2, row_route, block_expert, group_row, ids, route_row, inter_true, block_rows)
 
 
 def launch_topk_sum(fn, partials, svh, svh_row, ids, w, route_row, y):

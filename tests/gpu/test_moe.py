@@ -849,24 +849,28 @@ def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
 def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
     """The Intermediate launch computes each 128-column block of a row the same way however many blocks a warp
     takes (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) and however many values a lane holds (moe.INTERMEDIATE_LANE_VALUES:
-    8 where the blocks a warp are even), and whether it knows the route block size at compile time
-    (moe.INTERMEDIATE_CONSTANT_BLOCK_ROWS), so y is bit-identical; the launched kernel is the planned config."""
+    8 where the blocks a warp are even), whether it knows the route block size at compile time
+    (moe.INTERMEDIATE_CONSTANT_BLOCK_ROWS) and whether its warps go by packed row or by route
+    (moe.INTERMEDIATE_BY_ROUTE), so y is bit-identical; the launched kernel is the planned config."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     m = 1024
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     blocks = dmoe.groups[0].intermediate_padded // 128
     outs = []
-    for most, lane_values, constant in ((1, 4, True), (2, 4, True), (3, 4, True), (2, 8, True), (3, 8, True),
-                                        (2, 8, False)):
+    for most, lane_values, constant, by_route in (
+            (1, 4, True, False), (2, 4, True, False), (3, 4, True, False), (2, 8, True, False), (3, 8, True, False),
+            (2, 8, False, False), (6, 8, True, False), (6, 8, True, True), (2, 8, True, True), (1, 4, False, True)):
         with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", most)
+            patch.setattr(moe_ops, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", {"float32": most, "float16": most})
             patch.setattr(moe_ops, "INTERMEDIATE_LANE_VALUES", lane_values)
             patch.setattr(moe_ops, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", constant)
+            patch.setattr(moe_ops, "INTERMEDIATE_BY_ROUTE", {"float32": by_route, "float16": by_route})
             plan = plan_moe(dmoe, m)
             shape = plan.step(m, False).shape
             order = moe_ops.group_x_orders(plan.arch, dmoe.groups[0], shape)[1]
             wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
-                                        shape.block_rows if constant else 0, moe_ops.partials_dtype(m, shape.splits13))
+                                        shape.block_rows if constant else 0, moe_ops.partials_dtype(m, shape.splits13),
+                                        by_route=by_route)
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
             assert blocks % most == 0 and inter == [moe_ops.K.compiled(wanted, plan.arch)]
             poison(plan)
