@@ -124,8 +124,8 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
 
 
 def test_the_intermediate_takes_two_blocks_a_warp_where_they_divide_the_row():
-    """Two 128-column blocks a warp (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) where the intermediate's block count
-    is even, one where it is odd: every warp takes the same number."""
+    """fp32 gate/up partials: two 128-column blocks a warp (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) where the
+    intermediate's block count is even, one where it is odd (every warp takes the same number), by packed row."""
     assert [intermediate_blocks_per_warp(b) for b in (1, 2, 3, 6, 7, 32)] == [1, 2, 1, 2, 1, 2]
     # 8 values a lane (both blocks at once) where the warp takes two
     assert [(c.blocks_per_warp, c.lane_values) for c in (intermediate_config(1, "rows", b) for b in (3, 6))] == [
