@@ -5,7 +5,11 @@ count, local-memory frame and static shared memory, and ``nvdisasm`` (pip packag
 ``sass`` extra) turns its code into SASS. The main loop is the innermost backward branch whose body holds the
 most tensor-core instructions; its instructions are counted per pipe and per decoded weight (per lane: one
 16x16 tile is 8 weights of each of the 32 lanes). This is the closest thing to an SM120 benchmark we have
-without an SM120 GPU: the decode GEMM is issue-bound, so instructions per weight are its cost.
+without an SM120 GPU: the decode GEMM is issue-bound, so instructions per weight are its cost. Each instruction
+also carries ptxas's schedule in its control bits (``Control``): the cycles its warp stalls before the next issue,
+and the scoreboards of variable-latency results. A loop's stall cycles are the least time one warp spends on an
+iteration when no scoreboard holds it up; with W warps a scheduler, the loop issues at most W instructions in that
+time.
 
     analyze_cubin(cubin, weights_per_mma=...)    -> [KernelSass]   (any cubin)
     gemm_report(config, arch)                     -> KernelSass     (a GemmConfig, compiled here)
@@ -60,11 +64,51 @@ def pipe_of(opcode: str) -> str:
     return PIPE_OF_OPCODE.get(opcode.split(".")[0], "other")
 
 
+# An instruction's last 23 bits (bits 105-127 of the 128-bit word, sm_70 and later): ptxas's schedule.
+_CONTROL_SHIFT, _NO_BARRIER = 105, 7
+
+
+@dataclass(frozen=True)
+class Control:
+    """ptxas's schedule of one instruction (the control bits): ``stall`` cycles before its warp may issue again,
+    ``yields`` (the hint to switch warps), the scoreboard its result (``write_barrier``) or its source operands
+    (``read_barrier``) release when a variable-latency operation finishes (None: none), and the scoreboards it
+    waits for first (``wait_mask``, bit b = scoreboard b)."""
+
+    bits: int = 0
+
+    @classmethod
+    def of(cls, encoding: bytes) -> "Control":
+        """From the instruction's 16 bytes, as the cubin stores them (little-endian)."""
+        return cls(int.from_bytes(encoding, "little") >> _CONTROL_SHIFT)
+
+    @property
+    def stall(self) -> int:
+        return self.bits & 0xF
+
+    @property
+    def yields(self) -> bool:
+        return bool(self.bits >> 4 & 1)
+
+    @property
+    def write_barrier(self) -> int | None:
+        return None if (b := self.bits >> 5 & 7) == _NO_BARRIER else b
+
+    @property
+    def read_barrier(self) -> int | None:
+        return None if (b := self.bits >> 8 & 7) == _NO_BARRIER else b
+
+    @property
+    def wait_mask(self) -> int:
+        return self.bits >> 11 & 0x3F
+
+
 @dataclass(frozen=True)
 class Instruction:
     address: int
     opcode: str  # with modifiers: "HMMA.16816.F32"
     operands: str
+    control: Control = Control()
 
     @property
     def root(self) -> str:
@@ -94,6 +138,11 @@ class Loop:
     @property
     def mmas(self) -> int:
         return self.by_pipe["tensor"]
+
+    @cached_property
+    def stall_cycles(self) -> int:
+        """ptxas's fixed stalls over the body: the cycles one warp takes for an iteration with no scoreboard wait."""
+        return sum(i.control.stall for i in self.instructions)
 
 
 @dataclass(frozen=True)
@@ -135,6 +184,11 @@ class KernelSass:
         if not self.loop_weights:
             return None
         return {pipe: n / self.loop_weights for pipe, n in self.main_loop.by_pipe.items()}
+
+    @property
+    def stall_cycles_per_weight(self) -> float | None:
+        """Main-loop stall cycles per decoded weight: one warp's least time a weight (``Loop.stall_cycles``)."""
+        return None if not self.loop_weights else self.main_loop.stall_cycles / self.loop_weights
 
 
 def nvdisasm_path() -> str:
@@ -226,16 +280,20 @@ def disassemble(cubin: bytes) -> dict[str, tuple[tuple[Instruction, ...], dict[s
         run = subprocess.run([nvdisasm_path(), "-c", f.name], capture_output=True, text=True)
     if run.returncode != 0:
         raise SassToolError(f"nvdisasm failed: {run.stderr.strip()[:500]}")
-    kernels, current, pending_labels = {}, None, []
+    sections = _sections(cubin)
+    kernels, current, code, pending_labels = {}, None, b"", []
     for line in run.stdout.splitlines():
         if m := _KERNEL_HEADER.match(line):
             current = kernels.setdefault(m.group(1), ([], {}, []))
+            offset, size, _ = sections.get(f".text.{m.group(1)}", (0, 0, 0))
+            code = cubin[offset : offset + size]
         elif current is None:
             continue
         elif m := _LABEL.match(line):
             pending_labels.append(m.group(1))
         elif m := _INSTRUCTION.match(line):
-            inst = Instruction(int(m.group(1), 16), m.group(2), m.group(3).strip())
+            address = int(m.group(1), 16)
+            inst = Instruction(address, m.group(2), m.group(3).strip(), Control.of(code[address : address + 16]))
             current[0].append(inst)
             for label in pending_labels:
                 current[1][label] = inst.address

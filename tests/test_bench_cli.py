@@ -91,7 +91,9 @@ def test_sass_on_sm120_end_to_end():
     assert m8["per_weight"] == pytest.approx(sum(m8["per_weight_by_pipe"].values()))
     assert m8["per_weight_by_pipe"]["tensor"] == pytest.approx(2 / 8)  # two m16n8k16 per 8 weights of a lane
     assert kernels["gemm K4 mcg M16/CTA"]["per_weight_by_pipe"]["tensor"] == pytest.approx(2 / 8)  # 2 groups, 1 each
+    assert m8["per_weight"] < m8["stall_cycles_per_weight"] < 12  # ptxas's fixed stalls a weight, one warp
     assert kernels["dequant K4 mcg"]["per_weight"] is None  # no MMA loop
+    assert kernels["dequant K4 mcg"]["stall_cycles_per_weight"] is None
 
 
 def test_from_json_renders_and_plots_without_a_gpu(tmp_path):
@@ -143,8 +145,12 @@ def test_sass_of_a_moe_block_on_sm120():
         if " sync " in name:  # the decode GEMMs: within SM120's shared memory, resident, decoding on the MMAs
             assert k["smem_per_cta_bytes"] <= 99 * 1024 and k["ctas_per_sm"] >= 1, name
             assert k["per_weight_by_pipe"]["tensor"] > 0 and 3.0 < k["per_weight"] < 14, name
+            assert k["per_weight"] < k["stall_cycles_per_weight"] and 0 < k["issue_cap"] <= 1, name
         else:
-            assert k["ctas_per_sm"] is None, name
+            assert k["ctas_per_sm"] is None and k["issue_cap"] is None, name
+    # one token: enough resident warps to issue every cycle by ptxas's fixed stalls
+    assert kernels[f"{block} gate/up 8-row sync (M=1)"]["issue_cap"] == 1.0
     human = run_cli("bench", "--sass", "--moe", "16:4:512:256", "--tokens", "1", "--arch", "sm_120a")
     assert human.exit_code == 0 and "MoE plans for 170 SMs" in human.stdout and "CTAs/SM" in human.stdout
+    assert "stalls" in human.stdout
 

@@ -223,6 +223,39 @@ def test_launch_bounds_trade_registers_for_ctas_an_sm(monkeypatch):
         MoEGemmConfig(4.0, "mcg", 2, min_ctas_per_sm=-1)
 
 
+# Planned K=4 mcg one-token loops: ptxas's fixed stall cycles per decoded weight (one warp). A regression past
+# these fails (s57: sm_90a 7.88, sm_120a 9.88).
+MAX_STALLS_PER_WEIGHT = {"sm_90a": 8.7, "sm_120a": 10.9}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_120a"])
+def test_control_bits_read_as_ptxas_schedule(arch):
+    """EXIT carries its well-known control word (stall 5, yield, no scoreboard); every scoreboard an instruction
+    waits for was set before it by a variable-latency one; fixed-latency integer and half ops never set one; the
+    main loop's shared-memory loads do; the loop's stall cycles are its instructions' stalls."""
+    k = sass.gemm_report(planned_gemm_config(4.0, "mcg", 16, arch), arch)
+    exits = [i.control for i in k.instructions if i.root == "EXIT"]
+    assert exits and all(c.bits == 0x7F5 for c in exits)
+    set_before = set()
+    for i in k.instructions:
+        c = i.control
+        assert all(b in set_before for b in range(6) if c.wait_mask >> b & 1), (hex(i.address), i.opcode)
+        barriers = {c.write_barrier, c.read_barrier} - {None}
+        if i.root in ("LOP3", "IMAD", "PRMT", "HADD2", "SHF", "IADD3", "ISETP", "LEA"):
+            assert not barriers, (hex(i.address), i.opcode)
+        set_before |= barriers
+    loop = k.main_loop.instructions
+    assert any(i.root == "LDS" and i.control.write_barrier is not None for i in loop)
+    assert any(i.control.wait_mask for i in loop)  # the loop's decode waits for its loads
+    assert k.main_loop.stall_cycles == sum(i.control.stall for i in loop) > len(loop)
+
+
+@pytest.mark.parametrize("arch", sorted(MAX_STALLS_PER_WEIGHT))
+def test_one_token_loop_stalls_stay_bounded(arch):
+    k = sass.gemm_report(planned_gemm_config(4.0, "mcg", 1, arch), arch)
+    assert k.per_weight < k.stall_cycles_per_weight <= MAX_STALLS_PER_WEIGHT[arch]
+
+
 def test_missing_nvdisasm_names_the_extra(monkeypatch):
     import nvidia
 

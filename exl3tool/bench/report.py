@@ -260,6 +260,10 @@ class SassRow:
     per_weight: float | None
     per_weight_by_pipe: dict[str, float] | None
     ctas_per_sm: int | None = None  # resident at once (threads, registers, shared memory); decode GEMMs only
+    stall_cycles_per_weight: float | None = None  # ptxas's fixed stalls over the main loop per weight, one warp
+    # the share of the schedulers' issue slots the resident warps can fill by those stalls alone (W warps a
+    # scheduler x loop SASS / loop stall cycles, at most 1); scoreboard waits lower it further. Decode GEMMs only
+    issue_cap: float | None = None
 
 
 @dataclass(frozen=True)

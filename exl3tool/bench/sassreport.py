@@ -18,16 +18,22 @@ from exl3tool.format import Codebook, LinearInfo
 
 
 def _row(label: str, k, arch: str, config=None) -> SassRow:
-    """``config``: a decode GEMM's, for its CTAs an SM (threads from its warps; static and dynamic shared memory)."""
-    from exl3tool.ops.targets import resident_ctas
+    """``config``: a decode GEMM's, for its CTAs an SM (threads from its warps; static and dynamic shared memory)
+    and the issue its resident warps can reach by ptxas's fixed stalls alone."""
+    from exl3tool.ops.targets import limits, resident_ctas
 
     ctas = None if config is None else resident_ctas(arch, 32 * config.warps, k.smem_per_cta_bytes, k.registers)
+    issue_cap = None
+    if ctas is not None and k.stall_cycles_per_weight:
+        warps_a_scheduler = ctas * config.warps / limits(arch).schedulers
+        issue_cap = min(1.0, warps_a_scheduler * k.per_weight / k.stall_cycles_per_weight)
     return SassRow(
         kernel=label, symbol=k.name, registers=k.registers, spill_bytes=k.frame_bytes,
         spill_instructions=k.spill_instructions, static_smem_bytes=k.static_smem_bytes,
         smem_per_cta_bytes=k.smem_per_cta_bytes,
         loop_instructions=None if k.main_loop is None else len(k.main_loop.instructions),
         per_weight=k.per_weight, per_weight_by_pipe=k.per_weight_by_pipe, ctas_per_sm=ctas,
+        stall_cycles_per_weight=k.stall_cycles_per_weight, issue_cap=issue_cap,
     )
 
 

@@ -20,6 +20,7 @@ class SmLimits:
     registers: int
     ctas: int  # resident CTAs per SM
     smem_reserved_per_cta: int = 1024  # the driver's per-CTA reservation (SM80 and newer)
+    schedulers: int = 4  # warp schedulers (SM sub-partitions), each issuing one instruction a cycle
 
 
 # CUDA programming guide, compute capability tables.

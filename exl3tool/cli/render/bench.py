@@ -86,7 +86,9 @@ def render_sass_human(report: SassReport, console: Console) -> None:
     planned = f", MoE plans for {report.sm_count} SMs" if report.sm_count else ""
     table = Table(title=f"SASS for {report.arch}{planned}: main-loop instructions per decoded weight (per lane)",
                   title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("kernel", "regs", "spill B", "LDL/STL", "smem/CTA", "CTAs/SM", "loop", "per weight", *pipes):
+    columns = ("kernel", "regs", "spill B", "LDL/STL", "smem/CTA", "CTAs/SM", "loop", "per weight", "stalls",
+               "issue cap", *pipes)
+    for col in columns:
         table.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=True)
     for r in report.rows:
         by_pipe = r.per_weight_by_pipe or {}
@@ -94,12 +96,15 @@ def render_sass_human(report: SassReport, console: Console) -> None:
         table.add_row(safe(r.kernel), str(r.registers), spills, str(r.spill_instructions),
                       f">= {r.static_smem_bytes / 1024:.1f} KiB" if r.smem_per_cta_bytes is None
                       else f"{r.smem_per_cta_bytes / 1024:.1f} KiB", _f(r.ctas_per_sm, "d"),
-                      _f(r.loop_instructions, "d"), _f(r.per_weight, ".2f"), *(_f(by_pipe.get(p), ".2f") for p in pipes))
+                      _f(r.loop_instructions, "d"), _f(r.per_weight, ".2f"), _f(r.stall_cycles_per_weight, ".2f"),
+                      _f(r.issue_cap, ".0%"), *(_f(by_pipe.get(p), ".2f") for p in pipes))
     console.print(table)
     console.print(safe("per weight: the static instruction count of the innermost loop holding the MMAs / the weights "
-                       "a lane decodes per iteration, split by issue pipe (kernels without MMAs: -). smem >=: static "
-                       "only, the launch sizes the dynamic part. CTAs/SM: resident at once by threads, registers and "
-                       "shared memory (decode GEMMs)"))
+                       "a lane decodes per iteration, split by issue pipe (kernels without MMAs: -). stalls: ptxas's "
+                       "fixed stall cycles over that loop per weight, one warp's least time a weight. issue cap: the "
+                       "share of a scheduler's issue slots its resident warps can fill by those stalls alone (decode "
+                       "GEMMs; scoreboard waits lower it further). smem >=: static only, the launch sizes the dynamic "
+                       "part. CTAs/SM: resident at once by threads, registers and shared memory (decode GEMMs)"))
 
 
 def render_sass_json(report: SassReport) -> None:
