@@ -71,7 +71,7 @@ _CONTROL_SHIFT, _NO_BARRIER = 105, 7
 @dataclass(frozen=True)
 class Control:
     """ptxas's schedule of one instruction (the control bits): ``stall`` cycles before its warp may issue again,
-    ``yields`` (the hint to switch warps), the scoreboard its result (``write_barrier``) or its source operands
+    ``yields`` (the yield bit, a scheduling hint), the scoreboard its result (``write_barrier``) or its source operands
     (``read_barrier``) release when a variable-latency operation finishes (None: none), and the scoreboards it
     waits for first (``wait_mask``, bit b = scoreboard b)."""
 
