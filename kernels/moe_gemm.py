@@ -277,14 +277,7 @@ class MoEGemm(DecodeGemmKernel):
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
                     mSumCounter).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
-            **self.occupancy_bounds())
-
-    def occupancy_bounds(self) -> dict:
-        """launch()'s launch bounds for ``min_ctas_per_sm``, with the shared-memory carveout at its most (100%,
-        so less L1): without a carveout the DSL asks a GPU for the SM's shared memory while it compiles, and the
-        compile-only tests have none."""
-        n = self.cfg.min_ctas_per_sm
-        return dict(min_blocks_per_mp=n, preferred_smem_carveout=100) if n else {}
+            **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,

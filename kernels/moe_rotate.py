@@ -140,6 +140,11 @@ def sum_in_order(values):
     return total
 
 
+def check_min_ctas(min_ctas_per_sm: int):
+    if min_ctas_per_sm < 0:
+        raise ValueError("min_ctas_per_sm is a CTA count (0: no launch bounds)")
+
+
 @dataclass(frozen=True)
 class RouteInputRotationConfig:
     x_dtype: str  # "float16" | "bfloat16"
@@ -154,9 +159,11 @@ class RouteInputRotationConfig:
     hadamard: str = "shuffle"
     suh_shift: int = 0
     early_next: bool = False  # PDL: let the gate/up GEMM launch right after this kernel's wait
+    min_ctas_per_sm: int = 0  # > 0: launch bounds asking ptxas for this many CTAs an SM (ptx.occupancy_bounds)
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
+        check_min_ctas(self.min_ctas_per_sm)
         if self.hadamard not in ("shuffle", "mma"):
             raise ValueError("hadamard must be shuffle or mma")
         if self.hadamard == "mma" and (self.x_dtype != "float16" or self.x_order not in ("rows", "stages")):
@@ -186,12 +193,12 @@ class RouteInputRotation:
             grid = ((mGateSuh.shape[1] // 128 + BLOCKS_PER_CTA - 1) // BLOCKS_PER_CTA,
                     (mX.shape[0] * self.cfg.routes_per_token + 7) // 8, 1)
             self.kernel_mma(*args).launch(grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream,
-                                          **ptx.pdl_launch())
+                                          **ptx.pdl_launch(), **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
         else:
             per_cta = BLOCKS_PER_CTA * self.cfg.blocks_per_warp
             grid = (mX.shape[0], (mGateSuh.shape[1] // 128 + per_cta - 1) // per_cta, self.cfg.slot_groups)
             self.kernel(*args).launch(grid=grid, block=(32 * BLOCKS_PER_CTA, 1, 1), stream=stream,
-                                      **ptx.pdl_launch())
+                                      **ptx.pdl_launch(), **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
     @cute.kernel
     def kernel_mma(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
@@ -352,10 +359,12 @@ class IntermediateConfig:
     # A warp per route (its row from route_row, its group from its expert's id), not per packed row: no CTA of the
     # grid lands on padding rows (at M=4096 the 320-row blocks hold 32768 routes in 73920 rows).
     by_route: bool = False
+    min_ctas_per_sm: int = 0  # > 0: launch bounds asking ptxas for this many CTAs an SM (ptx.occupancy_bounds)
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
         check_partials(self.partials, self.splits)
+        check_min_ctas(self.min_ctas_per_sm)
         if self.blocks_per_warp % (self.lane_values // 4):
             raise ValueError("8 values a lane take two blocks at a time: blocks_per_warp must be even")
 
@@ -373,7 +382,7 @@ class Intermediate:
         grid = (blocks, (warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1)
         self.kernel(mP, mRot, mX2, mRowRoute, mBlockExpert, mGroupRow, mIds, mRouteRow, inter_true,
                     block_rows).launch(grid=grid, block=(32 * ROWS_PER_CTA, 1, 1), stream=stream,
-                                       **ptx.pdl_launch())
+                                       **ptx.pdl_launch(), **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,

@@ -60,6 +60,13 @@ def pdl_launch() -> dict:
     return {"use_pdl": True} if _PDL.get() else {}
 
 
+def occupancy_bounds(min_ctas_per_sm: int) -> dict:
+    """Extra ``launch`` arguments: launch bounds asking ptxas for ``min_ctas_per_sm`` CTAs an SM (registers at most
+    64K / (that x threads)), with the shared-memory carveout at its most (100%, so less L1): without a carveout the
+    DSL asks a GPU for the SM's shared memory while it compiles, and the compile-only tests have none. 0: none."""
+    return dict(min_blocks_per_mp=min_ctas_per_sm, preferred_smem_carveout=100) if min_ctas_per_sm else {}
+
+
 def wait_for_prior_kernels(early_next: bool = False) -> None:
     """``griddepcontrol.wait`` under PDL: the kernel before this one in the stream has finished and its writes
     are visible; then, with ``early_next``, ``griddepcontrol.launch_dependents``. Every kernel calls it first,

@@ -86,6 +86,11 @@ INTERMEDIATE_BY_ROUTE = {"float32": False, "float16": True}
 # H200, E=128 top-8 2048x768 K=4 mcg, kernel us (profiler, 4 L2-cold copies), shuffle -> mma: M=4096 133.6 ->
 # 111.8, M=2048 56.9 -> 46.5, M=1024 29.6 -> 24.2; y moves 1.8e-4 (relative), as close to the fp32 reference.
 INPUT_ROTATION_MMA = True
+# Launch bounds (CTAs an SM, 0: none) of the tensor-core input rotation and of the Intermediate launch: more warps an
+# SM for these memory-bound launches at the cost of spills (sm_90a, CPU: rotation 94 registers, 6 -> 80 with 25
+# spill SASS; Intermediate 56, 10 -> 48 with 4). A/B switches, not measured.
+INPUT_ROTATION_MIN_CTAS_PER_SM = 0
+INTERMEDIATE_MIN_CTAS_PER_SM = 0
 BLOCK_ROWS = (8, 16, 32, 64, 128, 256, 320)  # route block = GEMM tokens per CTA, by the mean routes per expert
 # The mean routes per expert from which a block above TWICE_THE_MEAN_MAX_ROWS may be taken: its own size, except 320
 # rows (sm_90a's warpgroup MMAs, N = 256 + 64 per k-tile, 250 registers at K=4), from 256. Among those reached,
@@ -546,7 +551,7 @@ def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int 
     per_warp = intermediate_blocks_per_warp(blocks, partials)
     return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4,
                               block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials, gating,
-                              INTERMEDIATE_BY_ROUTE[partials])
+                              INTERMEDIATE_BY_ROUTE[partials], INTERMEDIATE_MIN_CTAS_PER_SM)
 
 
 def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
@@ -880,7 +885,8 @@ def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_g
     """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
     stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
     if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and g.suh_aligned:
-        return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift)
+        return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift,
+                                        min_ctas_per_sm=INPUT_ROTATION_MIN_CTAS_PER_SM)
     return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values)
 
 
