@@ -62,7 +62,15 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
-from .moe_rotate import PARTIALS_DTYPES, SILU_GATING, Gating, TopKSumConfig, intermediate_row, topk_sum_block
+from .moe_rotate import (
+    PARTIALS_DTYPES,
+    SILU_GATING,
+    Gating,
+    TopKSumConfig,
+    group_row_of,
+    intermediate_row,
+    topk_sum_block,
+)
 from .rotate import rotate_into_shared
 
 
@@ -313,10 +321,7 @@ class MoEGemm(DecodeGemmKernel):
         elif cutlass.const_expr(cfg.topk_sum is not None):
             sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
         expert = mBlockExpert[blk]
-        if cutlass.const_expr(cfg.group_first >= 0):
-            p = cutlass.select_(expert - cfg.group_first < mW.shape[1], expert - cfg.group_first, Int32(-1))
-        else:
-            p = mGroupRow[cutlass.max(expert, 0)]
+        p = group_row_of(mGroupRow, expert, cfg.group_first, mW.shape[1])
         if expert >= 0 and p >= 0:
             n_col_tiles = mW.shape[3]
             k_tiles = mW.shape[2]

@@ -91,18 +91,29 @@ FAST_MATH = True
 LOG2_E = 1.4426950408889634
 
 
+def group_row_of(mGroupRow, expert, group_first: int, group_size):
+    """Row of ``expert`` in a launch's expert group (its stacked tensors), negative outside it (and for a negative
+    ``expert``): where the group is the ``group_size`` consecutive ids from ``group_first``, ``expert - group_first``
+    with no load between the expert and the loads it addresses; else (``group_first`` -1) the ``group_row`` table's.
+    Traced inline."""
+    if group_first >= 0:
+        p = expert - group_first
+        return cutlass.select_(p < group_size, p, Int32(-1))
+    return mGroupRow[cutlass.max(expert, 0)]
+
+
 @cute.jit
 def route_of_row(mRowRoute: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, row: Int32,
-                 block_rows):
+                 block_rows, group_first: cutlass.Constexpr, group_size: Int32):
     """(route or -1, row in the group's stacked tensors or -1) of packed row ``row`` (``block_rows``: an Int32, or a
-    Python int where the kernel knows it at compile time)."""
+    Python int where the kernel knows it at compile time; ``group_first``, ``group_size``: ``group_row_of``'s)."""
     expert = Int32(-1)
     route = Int32(-1)
     p = Int32(-1)
     if row < mRowRoute.shape[0]:
         expert = mBlockExpert[row // block_rows]
         if expert >= 0:
-            p = mGroupRow[expert]
+            p = group_row_of(mGroupRow, expert, group_first, group_size)
             route = mRowRoute[row]
     return route, p
 
@@ -140,8 +151,11 @@ def sum_in_order(values):
     return total
 
 
-def check_min_ctas(min_ctas_per_sm: int):
-    if min_ctas_per_sm < 0:
+def check_launch_fields(config):
+    """The fields the rotation launches share with MoEGemmConfig: group_first and min_ctas_per_sm."""
+    if config.group_first < -1:
+        raise ValueError("group_first is an expert id, or -1 for the group_row table")
+    if config.min_ctas_per_sm < 0:
         raise ValueError("min_ctas_per_sm is a CTA count (0: no launch bounds)")
 
 
@@ -159,11 +173,12 @@ class RouteInputRotationConfig:
     hadamard: str = "shuffle"
     suh_shift: int = 0
     early_next: bool = False  # PDL: let the gate/up GEMM launch right after this kernel's wait
+    group_first: int = -1  # >= 0: the group's experts are consecutive ids from this one (group_row_of: no table)
     min_ctas_per_sm: int = 0  # > 0: launch bounds asking ptxas for this many CTAs an SM (ptx.occupancy_bounds)
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
-        check_min_ctas(self.min_ctas_per_sm)
+        check_launch_fields(self)
         if self.hadamard not in ("shuffle", "mma"):
             raise ValueError("hadamard must be shuffle or mma")
         if self.hadamard == "mma" and (self.x_dtype != "float16" or self.x_order not in ("rows", "stages")):
@@ -222,7 +237,8 @@ class RouteInputRotation:
             tok = rc // k
             x = [w for i in range(4) for w in row_words(mX, tok, col0 + 32 * i)]
             e = mIds[tok, rc - tok * k]
-            p = cutlass.select_(route < routes, mGroupRow[e], Int32(-1))
+            p = cutlass.select_(route < routes, group_row_of(mGroupRow, e, self.cfg.group_first, mGateSuh.shape[0]),
+                                Int32(-1))
             row = mExpertRow[e] + mRank[rc]
             # every load before the first store (a store may alias a later load for all the compiler knows)
             suh = [suh_words(m, cutlass.max(p, 0), col0) for m in (mGateSuh, mUpSuh)]
@@ -269,7 +285,8 @@ class RouteInputRotation:
                 j = z * per_warp + jj
                 jc = cutlass.min(j, k - 1)  # surplus slots (k' not a multiple of the groups) load slot k'-1
                 e = mIds[tok, jc]
-                p = cutlass.select_(j < k, mGroupRow[e], Int32(-1))
+                p = cutlass.select_(j < k, group_row_of(mGroupRow, e, self.cfg.group_first, mGateSuh.shape[0]),
+                                    Int32(-1))
                 row = mExpertRow[e] + mRank[tok * k + jc]
                 pc = cutlass.max(p, 0)
                 slots.append((tok * k + j, p, row, *(load_row(m, pc, col0, n) for m in (mGateSuh, mUpSuh))))
@@ -359,12 +376,13 @@ class IntermediateConfig:
     # A warp per route (its row from route_row, its group from its expert's id), not per packed row: no CTA of the
     # grid lands on padding rows (at M=4096 the 320-row blocks hold 32768 routes in 73920 rows).
     by_route: bool = False
+    group_first: int = -1  # >= 0: the group's experts are consecutive ids from this one (group_row_of: no table)
     min_ctas_per_sm: int = 0  # > 0: launch bounds asking ptxas for this many CTAs an SM (ptx.occupancy_bounds)
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
         check_partials(self.partials, self.splits)
-        check_min_ctas(self.min_ctas_per_sm)
+        check_launch_fields(self)
         if self.blocks_per_warp % (self.lane_values // 4):
             raise ValueError("8 values a lane take two blocks at a time: blocks_per_warp must be even")
 
@@ -398,11 +416,13 @@ class Intermediate:
             # route ``at`` (t*k' + j): its expert's group row; its packed row as the input rotation placed it
             if at < mRouteRow.shape[0]:
                 route = at
-                p = mGroupRow[mIds[at // mIds.shape[1], at % mIds.shape[1]]]
+                p = group_row_of(mGroupRow, mIds[at // mIds.shape[1], at % mIds.shape[1]], self.cfg.group_first,
+                                 mRot.shape[0])
                 row = mRouteRow[at]
         else:
             route, p = route_of_row(mRowRoute, mBlockExpert, mGroupRow, row,
-                                    self.cfg.block_rows if self.cfg.block_rows else block_rows)
+                                    self.cfg.block_rows if self.cfg.block_rows else block_rows, self.cfg.group_first,
+                                    mRot.shape[0])
         if route >= 0 and p >= 0:
             intermediate_row(mP, mRot, mX2, row, p, block * self.cfg.blocks_per_warp, lane, inter_true,
                              self.cfg.splits, self.cfg.x_order, self.cfg.blocks_per_warp, self.cfg.lane_values,
@@ -468,6 +488,9 @@ class TopKSumConfig:
     # the down projections' biases, added to each slot's term before its weight: down_svh's table is then
     # ``[rows, 2*H_p]`` (svh | bias, fp16 as the checkpoint stores them)
     biased: bool = False
+    # down_svh's row of each expert is its id (one group of every expert in order, the shared one after them): the
+    # svh_row table is not read between a slot's expert and its scale loads
+    svh_by_expert: bool = False
 
     def __post_init__(self):
         check_partials(self.partials, self.splits)
@@ -500,7 +523,7 @@ class TopKSum:
         for j in cutlass.range(warp, k, self.warps):
             # slot j's indices once, then every block's partial and scale loads before the first butterfly
             row = mRouteRow[tok * k + j]
-            svh_row = mSvhRow[mIds[tok, j]]
+            svh_row = svh_row_of(mSvhRow, mIds[tok, j], self.cfg.svh_by_expert)
             weight = Float32(mW[tok, j])
             cols = [cutlass.min(group * per_cta + b, blocks - 1) * 128 for b in range(per_cta)]
             parts = [summed(mP, row, cols[b], lane, self.cfg.splits) for b in range(per_cta)]
@@ -512,6 +535,11 @@ class TopKSum:
         for b in cutlass.range(warp, per_cta, self.warps):
             store_token_block(sTerm, b * k * 128, k, mY, tok, (group * per_cta + b) * 128, lane,
                               self.cfg.out_dtype)
+
+
+def svh_row_of(mSvhRow, expert, by_expert: bool):
+    """down_svh's row of ``expert``: the expert itself (``TopKSumConfig.svh_by_expert``) or the svh_row table's."""
+    return expert if by_expert else mSvhRow[expert]
 
 
 def down_scales(mSvh, svh_row, col, h_p, biased: bool):
@@ -559,7 +587,8 @@ def topk_sum_block(cfg: cutlass.Constexpr, mP: cute.Tensor, mSvh: cute.Tensor, m
     slots = []
     for jj in cutlass.range_constexpr(per_warp):
         jc = cutlass.min(warp + jj * warps, k - 1)  # past the last slot: slot k'-1 again, never parked
-        slots.append((mRouteRow[tok * k + jc], mSvhRow[mIds[tok, jc]], Float32(mW[tok, jc])))
+        slots.append((mRouteRow[tok * k + jc], svh_row_of(mSvhRow, mIds[tok, jc], cfg.svh_by_expert),
+                      Float32(mW[tok, jc])))
     parts = [summed(mP, row, block * 128, lane, cfg.splits) for row, _, _ in slots]
     svh = [down_scales(mSvh, svh_row, block * 128 + 4 * lane, mP.shape[2], cfg.biased) for _, svh_row, _ in slots]
     for jj in cutlass.range_constexpr(per_warp):

@@ -220,6 +220,10 @@ def test_route_sass_issues_every_stage_before_the_first_mma():
                                     IntermediateConfig(1, "doubled"), IntermediateConfig(1, "rows", 2, 8),
                                     IntermediateConfig(2, "fragments", 4, 8),
                                     IntermediateConfig(1, "stages", 6, 8, 320, "float16", by_route=True),
+                                    IntermediateConfig(1, "stages", 6, 8, 320, "float16", by_route=True, group_first=0),
+                                    IntermediateConfig(1, "rows", 2, 8, group_first=8),
+                                    RouteInputRotationConfig("float16", 9, 4, "fragments", 8, group_first=128),
+                                    TopKSumConfig(8, "float16", 1, 4, "float16", svh_by_expert=True),
                                     TopKSumConfig(8, "float16", 3),
                                     TopKSumConfig(9, "bfloat16", 1), TopKSumConfig(3, "float32", 16),
                                     TopKSumConfig(9, "float16", 2, 4), TopKSumConfig(33, "bfloat16", 1, 4),
@@ -577,15 +581,19 @@ def test_the_intermediate_finds_a_rows_block_without_a_division(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-@pytest.mark.parametrize("routes,x_order,shift", [(8, "stages", 6), (9, "rows", 0), (3, "stages", -1)])
-def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, arch):
+@pytest.mark.parametrize("routes,x_order,shift,first", [(8, "stages", 6, 0), (9, "rows", 0, -1), (3, "stages", -1, 128)])
+def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, first, arch):
     """The route input rotation a warp per 8 routes (hadamard "mma"; their gate and up planes as the MMAs' 16
     rows): both planes' H128s as 2 x 2 x 8 fp16 MMAs from exact hi/lo splits of x * suh (suh scaled by 2^shift
     in registers unless shift is 0), no shuffle; every load before the first store; at most 128 registers (4 CTAs
-    of 4 warps an SM), no spills; fp16 x and X in rows or stages order only."""
+    of 4 warps an SM), no spills; fp16 x and X in rows or stages order only. A group of consecutive ids from
+    ``first`` (group_first) reads no group_row table: one global load fewer."""
     from exl3tool import sass
 
-    cfg = RouteInputRotationConfig("float16", routes, x_order=x_order, hadamard="mma", suh_shift=shift)
+    cfg = RouteInputRotationConfig("float16", routes, x_order=x_order, hadamard="mma", suh_shift=shift,
+                                   group_first=first)
+    table = dataclasses.replace(cfg, group_first=-1)
+    assert ptx_of(table, arch).count("ld.global") == ptx_of(cfg, arch).count("ld.global") + (first >= 0)
     ptx = ptx_of(cfg, arch)
     assert ptx.count(MMA) == 2 * 2 * 8 and "shfl.sync" not in ptx
     assert ptx.count("fma.rn.f16x2") == 2 * 16 and ptx.count("mul.rn.f16x2") == 2 * 16 * (1 + (shift != 0))

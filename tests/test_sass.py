@@ -372,3 +372,32 @@ def test_fused_epilogue_loads_a_batch_of_splits_before_adding_them():
     loads = loads_before_first_add(k, "LDG.E.128.STRONG")
     assert len(loads) >= SPLITS_IN_FLIGHT - 1, [x.opcode for x in loads]
     assert k.registers <= GEMM_REGISTERS[1] and k.spill_instructions == 0
+
+
+def test_rotation_and_intermediate_launch_bounds_trade_registers_for_ctas_an_sm(monkeypatch):
+    """moe.INPUT_ROTATION_MIN_CTAS_PER_SM / INTERMEDIATE_MIN_CTAS_PER_SM -> the M=4096 plan's tensor-core input
+    rotation and Intermediate launch take launch bounds: ptxas fits that many 4-warp CTAs an SM (sm_90a)."""
+    from dataclasses import replace
+    from exl3tool.bench.sassreport import _analyze, moe_layer
+    from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig
+    from exl3tool.ops import moe, moe_kernels
+
+    layer = moe_layer(SimpleNamespace(experts=128, top_k=8, hidden=2048, intermediate=768), 4.0, "mcg")
+
+    def planned():
+        g = moe.step_configs(layer, 4096, False, "sm_90a", 132, "float16", "float16").groups[0]
+        return g.rotation, g.intermediate
+
+    free = planned()
+    monkeypatch.setattr(moe, "INPUT_ROTATION_MIN_CTAS_PER_SM", 6)
+    monkeypatch.setattr(moe, "INTERMEDIATE_MIN_CTAS_PER_SM", 10)
+    bounded = planned()
+    assert [c.min_ctas_per_sm for c in free] == [0, 0] and [c.min_ctas_per_sm for c in bounded] == [6, 10]
+    assert free[0].hadamard == "mma" and bounded == tuple(replace(f, min_ctas_per_sm=n) for f, n in zip(free, (6, 10)))
+    for f, b, n in zip(free, bounded, (6, 10)):
+        free_k, bounded_k = (_analyze(c, "sm_90a", moe_kernels.BUILDERS[type(c)]) for c in (f, b))
+        assert free_k.registers > 65536 // (n * 128) >= bounded_k.registers, (f, free_k.registers, bounded_k.registers)
+    with pytest.raises(ValueError, match="min_ctas_per_sm"):
+        RouteInputRotationConfig("float16", min_ctas_per_sm=-1)
+    with pytest.raises(ValueError, match="min_ctas_per_sm"):
+        IntermediateConfig(1, min_ctas_per_sm=-1)

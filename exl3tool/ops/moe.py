@@ -254,6 +254,11 @@ EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 8
 # M=256 251.4 -> 252.8, so only up to 16 tokens.
 EARLY_ROUTE_NEXT_TOKENS = 16
 CONTIGUOUS_GROUP_ROWS = True
+# The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
+# the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
+# row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
+# before their scale loads (at M = 1 on the down GEMM's fused top-k sum, the layer's last chain). An A/B switch.
+EXPERT_INDEXED_ROWS = True
 # From this many tokens on, mma.sync route blocks of private decode (all but the 128-row ones) hand X2 from gate/up to
 # down through block-ready counters (MoEGemmConfig.ready_signal / ready_wait; the intermediate fused into gate/up, which
 # needs one tile column a warp): down's CTAs start as gate/up's last ones run, each waiting only for its own block.
@@ -339,6 +344,10 @@ class DeviceMoE:
     down_svh: torch.Tensor  # fp16 [rows, H_p]: every expert's down_svh (| its down bias where down_biased)
     svh_row: torch.Tensor  # int32 [E']: its row there
     down_biased: bool = False
+
+    @property
+    def svh_by_expert(self) -> bool:
+        return svh_rows_are_ids(self.groups)
 
     @property
     def device(self) -> torch.device:
@@ -488,6 +497,17 @@ class LayerShape:
     groups: tuple[GroupShape, ...]
     down_biased: bool = False
 
+    @property
+    def svh_by_expert(self) -> bool:
+        return svh_rows_are_ids(self.groups)
+
+
+def svh_rows_are_ids(groups) -> bool:
+    """Is each expert's row of down_svh (every group's experts stacked in group order) its id? Where each group's
+    experts are consecutive ids and the groups come in id order (TopKSumConfig.svh_by_expert)."""
+    firsts = [g.first_expert for g in groups]
+    return min(firsts) >= 0 and firsts == sorted(firsts)
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -543,7 +563,7 @@ def intermediate_blocks_per_warp(blocks: int, partials: str = "float32") -> int:
 
 
 def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int = 0, partials: str = "float32",
-                        gating: Gating = SILU_GATING) -> IntermediateConfig:
+                        gating: Gating = SILU_GATING, group_first: int = -1) -> IntermediateConfig:
     """The Intermediate launch for an intermediate of ``blocks`` 128-column blocks: blocks a warp as above, and
     INTERMEDIATE_LANE_VALUES a lane where they are even; route blocks of ``block_rows`` compiled in where
     INTERMEDIATE_CONSTANT_BLOCK_ROWS; the gate/up GEMM's ``partials`` dtype; the group's ``gating``; a warp per
@@ -551,7 +571,7 @@ def intermediate_config(splits: int, x_order: str, blocks: int, block_rows: int 
     per_warp = intermediate_blocks_per_warp(blocks, partials)
     return IntermediateConfig(splits, x_order, per_warp, INTERMEDIATE_LANE_VALUES if per_warp % 2 == 0 else 4,
                               block_rows if INTERMEDIATE_CONSTANT_BLOCK_ROWS else 0, partials, gating,
-                              INTERMEDIATE_BY_ROUTE[partials], INTERMEDIATE_MIN_CTAS_PER_SM)
+                              INTERMEDIATE_BY_ROUTE[partials], group_first, INTERMEDIATE_MIN_CTAS_PER_SM)
 
 
 def resident_input(tokens: int, given: bool, block_rows: int) -> bool:
@@ -886,8 +906,13 @@ def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_g
     stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
     if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and g.suh_aligned:
         return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift,
-                                        min_ctas_per_sm=INPUT_ROTATION_MIN_CTAS_PER_SM)
-    return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values)
+                                        group_first=indexed_first(g), min_ctas_per_sm=INPUT_ROTATION_MIN_CTAS_PER_SM)
+    return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values, group_first=indexed_first(g))
+
+
+def indexed_first(g) -> int:
+    """The group_first of the input rotation and the Intermediate launch for group ``g`` (EXPERT_INDEXED_ROWS)."""
+    return g.first_expert if EXPERT_INDEXED_ROWS and CONTIGUOUS_GROUP_ROWS else -1
 
 
 def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: int, x_dtype: str,
@@ -905,7 +930,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
     topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2,
-                         d.down_biased)
+                         d.down_biased, EXPERT_INDEXED_ROWS and d.svh_by_expert)
     topk_fused = fused_topk(tokens, given)
     groups = []
     for g in d.groups:
@@ -933,8 +958,8 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
         rotation = None if resident13 is not None else replace(
             input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
         g13 = resident13 or replace(g13, weights_before_wait=early13)
-        intermediate = None if s.fused_intermediate else intermediate_config(s.splits13, order2, i_p // 128,
-                                                                              s.block_rows, partials13, g.gating)
+        intermediate = None if s.fused_intermediate else intermediate_config(
+            s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))

@@ -13,7 +13,8 @@ from safetensors import safe_open
 import exl3tool
 from exl3tool import reference
 from exl3tool.format import MoEBlock
-from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig
+from exl3tool.kernels.moe_gemm import MoEGemmConfig
+from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.ops import moe as moe_ops
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
@@ -846,6 +847,34 @@ def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), m
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 1024, 4096)),
+                                     ("k3.5-mul1-shared-gated", (1, 64)), ("two-groups-k3-k5", (1, 40))])
+def test_expert_indexed_rows_change_no_bit(synthetic, name, ms, monkeypatch):
+    """moe.EXPERT_INDEXED_ROWS: the input rotation and the Intermediate launch take a route's group row as its expert
+    minus the group's first id where the group's ids are consecutive (the shared expert's group too), and the top-k
+    sum (a launch, or the down GEMM's fused tail at M = 1) a slot's down_svh row as its expert where those rows are
+    the ids; two groups of interleaved ids keep the tables. The launches take the setting, and y is bit-identical."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    tables = name == "two-groups-k3-k5"
+    assert dmoe.svh_by_expert != tables and all((g.first_expert < 0) == tables for g in dmoe.groups)
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for on in (False, True):
+            with monkeypatch.context() as patch:
+                patch.setattr(moe_ops, "EXPERT_INDEXED_ROWS", on)
+                plan = plan_moe(dmoe, m)
+                kernels = [c for _, c in plan.configs(m, False).kernels()]
+                firsts = [c.group_first for c in kernels if isinstance(c, (RouteInputRotationConfig, IntermediateConfig))]
+                sums = [c for c in kernels if isinstance(c, TopKSumConfig)]
+                sums += [c.topk_sum for c in kernels if isinstance(c, MoEGemmConfig) and c.topk_sum is not None]
+                assert sums and all(c.svh_by_expert == (on and not tables) for c in sums)
+                assert (m == 1 or firsts) and all((f >= 0) == (on and not tables) for f in firsts)
+                poison(plan)
+                outs.append(moe_forward(x, plan).clone())
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (name, m)
+
+
 def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
     """The Intermediate launch computes each 128-column block of a row the same way however many blocks a warp
     takes (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) and however many values a lane holds (moe.INTERMEDIATE_LANE_VALUES:
@@ -870,7 +899,7 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
             order = moe_ops.group_x_orders(plan.arch, dmoe.groups[0], shape)[1]
             wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
                                         shape.block_rows if constant else 0, moe_ops.partials_dtype(m, shape.splits13),
-                                        by_route=by_route)
+                                        by_route=by_route, group_first=moe_ops.indexed_first(dmoe.groups[0]))
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
             assert blocks % most == 0 and inter == [moe_ops.K.compiled(wanted, plan.arch)]
             poison(plan)
