@@ -67,6 +67,7 @@ from .moe_rotate import (
     SILU_GATING,
     Gating,
     TopKSumConfig,
+    check_launch_fields,
     group_row_of,
     intermediate_row,
     topk_sum_block,
@@ -157,8 +158,7 @@ class MoEGemmConfig:
             raise ValueError("planes must be 1 (w2) or 2 (w13)")
         if self.partials not in PARTIALS_DTYPES:
             raise ValueError(f"partials must be one of {PARTIALS_DTYPES}")
-        if self.min_ctas_per_sm < 0:
-            raise ValueError("min_ctas_per_sm is a CTA count (0: no launch bounds)")
+        check_launch_fields(self)
         if self.intermediate_splits and (self.planes != 2
                                          or not fuses_intermediate(self.tokens_per_cta, self.warps, self.warp_cols)):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
@@ -171,8 +171,6 @@ class MoEGemmConfig:
             raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
         if self.mma == "wgmma" and (self.input is not None or self.topk_sum is not None):
             raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
-        if self.group_first < -1:
-            raise ValueError("group_first is an expert id, or -1 for the group_row table")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
         if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):

@@ -152,7 +152,7 @@ def sum_in_order(values):
 
 
 def check_launch_fields(config):
-    """The fields the rotation launches share with MoEGemmConfig: group_first and min_ctas_per_sm."""
+    """group_first and min_ctas_per_sm, fields of MoEGemmConfig and of the rotation launches' configs."""
     if config.group_first < -1:
         raise ValueError("group_first is an expert id, or -1 for the group_row table")
     if config.min_ctas_per_sm < 0:
