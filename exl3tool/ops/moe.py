@@ -88,7 +88,8 @@ INTERMEDIATE_BY_ROUTE = {"float32": False, "float16": True}
 INPUT_ROTATION_MMA = True
 # Launch bounds (CTAs an SM, 0: none) of the tensor-core input rotation and of the Intermediate launch: more warps an
 # SM for these memory-bound launches at the cost of spills (sm_90a, CPU: rotation 94 registers, 6 -> 80 with 25
-# spill SASS; Intermediate 56, 10 -> 48 with 4). A/B switches, not measured.
+# spill SASS; Intermediate 56, 10 -> 48 with 4). H100, M=4096, kernel us (profiler), beside each other in one run:
+# rotation at 6 CTAs 116.68 -> 127.45, Intermediate at 10 66.59 -> 66.99 (docs/perf.md, fifty-seventh session).
 INPUT_ROTATION_MIN_CTAS_PER_SM = 0
 INTERMEDIATE_MIN_CTAS_PER_SM = 0
 BLOCK_ROWS = (8, 16, 32, 64, 128, 256, 320)  # route block = GEMM tokens per CTA, by the mean routes per expert
@@ -257,7 +258,10 @@ CONTIGUOUS_GROUP_ROWS = True
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
-# before their scale loads (at M = 1 on the down GEMM's fused top-k sum, the layer's last chain). An A/B switch.
+# before their scale loads (at M = 1 on the down GEMM's fused top-k sum, the layer's last chain). H100, y
+# bit-identical, kernel us (profiler), tables -> indexed: rotation M=16 9.60 -> 9.28, M=256 11.06 -> 10.82, M=1024
+# 29.29 -> 27.49, M=4096 124.53 -> 117.84; top-k sum M=1024 20.70 -> 20.46, M=4096 83.38 -> 81.26; Intermediate
+# M=1024 19.32 -> 18.94; the layer within its spread (docs/perf.md, fifty-seventh session).
 EXPERT_INDEXED_ROWS = True
 # From this many tokens on, mma.sync route blocks of private decode (all but the 128-row ones) hand X2 from gate/up to
 # down through block-ready counters (MoEGemmConfig.ready_signal / ready_wait; the intermediate fused into gate/up, which

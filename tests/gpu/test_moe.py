@@ -972,7 +972,8 @@ def test_input_rotation_on_tensor_cores_matches_the_shuffle_rotation(synthetic, 
             launched = [fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
             for g in dmoe.groups:
                 assert 1 / 2 <= max(g.gate_suh.abs().max(), g.up_suh.abs().max()) * 2.0 ** g.suh_shift <= 1
-                want = (RouteInputRotationConfig("float16", k, x_order=order, hadamard="mma", suh_shift=g.suh_shift)
+                want = (RouteInputRotationConfig("float16", k, x_order=order, hadamard="mma", suh_shift=g.suh_shift,
+                                                 group_first=moe_ops.indexed_first(g))
                         if mma else moe_ops.input_rotation_config(g, True, order, *moe_ops.input_rotation_layout(
                             m, dmoe.hidden_padded // 128, k, plan.sm_count), "float16", k))
                 assert want.hadamard == ("mma" if mma else "shuffle")
@@ -1012,7 +1013,8 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
                 for g in dmoe.groups:
                     cfg = RouteInputRotationConfig("float16", k, min(slot_groups, k),
                                                    moe_ops.group_x_orders(plan.arch, g, shape)[0], lane_values,
-                                                   early_next=moe_ops.early_gate_up(m, False, wgmma))
+                                                   early_next=moe_ops.early_gate_up(m, False, wgmma),
+                                                   group_first=moe_ops.indexed_first(g))
                     assert moe_ops.K.compiled(cfg, plan.arch) in [
                         fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
             poison(plan)
