@@ -350,10 +350,6 @@ class DeviceMoE:
     down_biased: bool = False
 
     @property
-    def svh_by_expert(self) -> bool:
-        return svh_rows_are_ids(self.groups)
-
-    @property
     def device(self) -> torch.device:
         return self.router.device
 
@@ -500,10 +496,6 @@ class LayerShape:
     hidden_padded: int
     groups: tuple[GroupShape, ...]
     down_biased: bool = False
-
-    @property
-    def svh_by_expert(self) -> bool:
-        return svh_rows_are_ids(self.groups)
 
 
 def svh_rows_are_ids(groups) -> bool:
@@ -934,7 +926,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
     topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2,
-                         d.down_biased, EXPERT_INDEXED_ROWS and d.svh_by_expert)
+                         d.down_biased, EXPERT_INDEXED_ROWS and svh_rows_are_ids(d.groups))
     topk_fused = fused_topk(tokens, given)
     groups = []
     for g in d.groups:

@@ -856,7 +856,7 @@ def test_expert_indexed_rows_change_no_bit(synthetic, name, ms, monkeypatch):
     the ids; two groups of interleaved ids keep the tables. The launches take the setting, and y is bit-identical."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     tables = name == "two-groups-k3-k5"
-    assert dmoe.svh_by_expert != tables and all((g.first_expert < 0) == tables for g in dmoe.groups)
+    assert moe_ops.svh_rows_are_ids(dmoe.groups) != tables and all((g.first_expert < 0) == tables for g in dmoe.groups)
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
