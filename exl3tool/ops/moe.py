@@ -906,9 +906,14 @@ def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_g
     return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values, group_first=indexed_first(g))
 
 
+def gemm_first(g) -> int:
+    """The group_first of group ``g``'s MoE GEMMs (CONTIGUOUS_GROUP_ROWS)."""
+    return g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
+
+
 def indexed_first(g) -> int:
     """The group_first of the input rotation and the Intermediate launch for group ``g`` (EXPERT_INDEXED_ROWS)."""
-    return g.first_expert if EXPERT_INDEXED_ROWS and CONTIGUOUS_GROUP_ROWS else -1
+    return gemm_first(g) if EXPERT_INDEXED_ROWS else -1
 
 
 def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: int, x_dtype: str,
@@ -935,7 +940,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
         order13, order2 = group_x_orders(arch, g, s)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
         early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
-        first = g.first_expert if CONTIGUOUS_GROUP_ROWS else -1
+        first = gemm_first(g)
         warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
         warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)
         g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
