@@ -36,6 +36,22 @@ def test_missing_peer_exits_2_before_the_gpu(monkeypatch):
     _one_error_line(run_cli("bench", "--peer", "exllamav3"), "--peer exllamav3", "pip install exllamav3")
 
 
+def test_peer_build_lock_exits_2_naming_the_lock(monkeypatch, tmp_path):
+    """An interrupted ExLlamaV3 build leaves torch's lock file; the import would wait for it forever."""
+    from exl3tool.bench import request
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "exllamav3" else real(name, *a))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert request.peer_build_lock("exllamav3") is None
+    lock = tmp_path / "exllamav3_ext" / "lock"
+    assert lock.parent.is_dir()  # where torch builds it (TORCH_EXTENSIONS_DIR/<name>)
+    lock.touch()
+    _one_error_line(run_cli("bench", "--peer", "exllamav3"), "--peer exllamav3", str(lock), "interrupted")
+    lock.unlink()
+    assert request.peer_build_lock("exllamav3") is None
+
+
 def test_missing_matplotlib_exits_2(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))

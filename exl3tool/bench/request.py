@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 from exl3tool.errors import UsageError
 from exl3tool.format import HALF_RATE_WORDS, Codebook, words_from_bits
@@ -12,6 +13,8 @@ PEERS = ("exllamav3",)  # optional peers; torch fp16 and dequant+fp16 always run
 PEER_HINT = {
     "exllamav3": "pip install exllamav3 (on the project's GPU machine: source ../shared/peer/build.sh)",
 }
+# the torch extension a peer compiles on its first import (torch.utils.cpp_extension.load's name)
+PEER_EXTENSIONS = {"exllamav3": "exllamav3_ext"}
 DTYPES = ("float16", "bfloat16")
 
 
@@ -139,10 +142,23 @@ def parse_modes(text: str) -> tuple[str, ...]:
 
 def require_peers(peers) -> None:
     """Every requested peer can be imported (looked up without importing it: ExLlamaV3 builds its CUDA
-    extension on first import)."""
+    extension on first import), and no build lock stands in the way of that import."""
     for peer in peers:
         if importlib.util.find_spec(peer) is None:
             raise UsageError(f"--peer {peer}: {peer} is not importable; {PEER_HINT[peer]}")
+        lock = peer_build_lock(peer)
+        if lock is not None:
+            raise UsageError(f"--peer {peer}: its CUDA extension's build lock {lock} exists: another build is "
+                             "running, or one was interrupted (then delete the file)")
+
+
+def peer_build_lock(peer: str) -> Path | None:
+    """The lock file in the peer extension's build folder, if there is one. torch writes it for the length of a
+    build; a build that is killed leaves it behind, and every later import then waits for it without a word."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(PEER_EXTENSIONS[peer], False)) / "lock"
+    return lock if lock.exists() else None
 
 
 def require_matplotlib() -> None:
