@@ -173,3 +173,28 @@ def test_peer_rows_when_it_cannot_run(cpu_bench, monkeypatch):
     skipped = next(r for r in moe.results if r.implementation == "exllamav3")
     assert skipped.status == "skipped" and "--moe layers only" in skipped.note
     assert report.wrong and all(r.implementation == "exllamav3" for _, r in report.wrong)
+
+
+def test_exllamav3_extension_is_built_once_a_process(tmp_path, monkeypatch):
+    """A failing ExLlamaV3 extension build (minutes) is tried once, not again by every case: later calls raise
+    the first attempt's error."""
+    import sys
+
+    from exl3tool.bench import peers
+
+    package = tmp_path / "exllamav3"
+    package.mkdir()
+    (package / "__init__.py").write_text("tries = 0\n")
+    (package / "ext.py").write_text("import exllamav3\nexllamav3.tries += 1\nraise RuntimeError('nvcc failed')\n")
+    for name in [n for n in sys.modules if n == "exllamav3" or n.startswith("exllamav3.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(peers, "_EXT_IMPORT", [])
+    try:
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="nvcc failed"):
+                peers.require_exllamav3_ext()
+        assert sys.modules["exllamav3"].tries == 1
+    finally:
+        for name in [n for n in sys.modules if n == "exllamav3" or n.startswith("exllamav3.")]:
+            del sys.modules[name]

@@ -6,6 +6,7 @@ extension (minutes). Its output goes through the same reference check as ours be
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import sys
@@ -20,6 +21,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PEER_DIR_ENV = "EXL3TOOL_PEER_DIR"  # a folder with tokenizer.json/tokenizer_config.json (ExLlamaV3 loads them)
 
 
+_EXT_IMPORT: list = []  # the outcome of this process's first ``import exllamav3.ext``: [None] or [the error]
+
+
+def require_exllamav3_ext() -> None:
+    """Import ExLlamaV3's CUDA extension once a process: its first import builds it (minutes), and a build that
+    fails would otherwise be tried again, minutes each, by every case that asks for the peer. Raises the first
+    attempt's error each time after it."""
+    if not _EXT_IMPORT:
+        try:
+            importlib.import_module("exllamav3.ext")
+            _EXT_IMPORT.append(None)
+        except Exception as error:  # any build or load failure: each case reports it as its peer row's note
+            _EXT_IMPORT.append(error)
+    if _EXT_IMPORT[0] is not None:
+        raise _EXT_IMPORT[0]
+
+
 def exllamav3_linear(t: LinearTensors):
     """``call(x) -> y`` with ExLlamaV3's ``LinearEXL3`` on the tensors of ``t`` (on the GPU).
 
@@ -27,6 +45,7 @@ def exllamav3_linear(t: LinearTensors):
     (legacy su/sv are already expanded to +-1 suh/svh, which its ``unpack_bf`` would also produce). Like its
     loader, it gets the padded sizes (``modules/linear.py`` pads in/out to 128), so x is zero-padded to in_p
     once here and its output is trimmed to out_features (a view)."""
+    require_exllamav3_ext()
     from exllamav3.modules.quant.exl3 import AUTO_RECONSTRUCT_THRESHOLD, LinearEXL3
 
     info, device = t.info, t.trellis.device
@@ -69,6 +88,7 @@ def exllamav3_moe(folder: Path, layer: int, device: torch.device):
     """``call(x) -> y`` with ExLlamaV3's ``BlockSparseMLP`` of ``layer``, loaded from a synthetic Qwen3-MoE
     ``folder`` (written by exl3tool.synthetic; ExLlamaV3 also wants q_norm/k_norm weights and tokenizer files,
     which the caller adds: `prepare_moe_folder`)."""
+    require_exllamav3_ext()
     from exllamav3 import Config, Model
 
     model = Model.from_config(Config.from_directory(str(folder)))
