@@ -189,12 +189,13 @@ def test_exllamav3_extension_is_built_once_a_process(tmp_path, monkeypatch):
     for name in [n for n in sys.modules if n == "exllamav3" or n.startswith("exllamav3.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(peers, "_EXT_IMPORT", [])
+    peers._exllamav3_ext_error.cache_clear()
     try:
         for _ in range(3):
             with pytest.raises(RuntimeError, match="nvcc failed"):
                 peers.require_exllamav3_ext()
         assert sys.modules["exllamav3"].tries == 1
     finally:
+        peers._exllamav3_ext_error.cache_clear()  # the stand-in's error is not the process's
         for name in [n for n in sys.modules if n == "exllamav3" or n.startswith("exllamav3.")]:
             del sys.modules[name]

@@ -6,6 +6,7 @@ extension (minutes). Its output goes through the same reference check as ours be
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import shutil
@@ -21,21 +22,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PEER_DIR_ENV = "EXL3TOOL_PEER_DIR"  # a folder with tokenizer.json/tokenizer_config.json (ExLlamaV3 loads them)
 
 
-_EXT_IMPORT: list = []  # the outcome of this process's first ``import exllamav3.ext``: [None] or [the error]
+@functools.cache
+def _exllamav3_ext_error() -> Exception | None:
+    """This process's one ``import exllamav3.ext``: None, or the error it raised (any build or load failure)."""
+    try:
+        importlib.import_module("exllamav3.ext")
+    except Exception as error:  # each case reports it as its peer row's note
+        return error
+    return None
 
 
 def require_exllamav3_ext() -> None:
     """Import ExLlamaV3's CUDA extension once a process: its first import builds it (minutes), and a build that
     fails would otherwise be tried again, minutes each, by every case that asks for the peer. Raises the first
     attempt's error each time after it."""
-    if not _EXT_IMPORT:
-        try:
-            importlib.import_module("exllamav3.ext")
-            _EXT_IMPORT.append(None)
-        except Exception as error:  # any build or load failure: each case reports it as its peer row's note
-            _EXT_IMPORT.append(error)
-    if _EXT_IMPORT[0] is not None:
-        raise _EXT_IMPORT[0]
+    error = _exllamav3_ext_error()
+    if error is not None:
+        raise error
 
 
 def exllamav3_linear(t: LinearTensors):
