@@ -152,6 +152,9 @@ class MoEGemmConfig:
     partials: str = "float32"
     # The fused intermediate's gating (moe_rotate.Gating: the activation, its clamp, gate/up biases in mRot).
     gating: Gating = SILU_GATING
+    # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
+    # launched beside another kernel's last CTAs spreads over more SMs (moe.spread_pad).
+    smem_pad: int = 0
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -162,6 +165,8 @@ class MoEGemmConfig:
         if self.intermediate_splits and (self.planes != 2
                                          or not fuses_intermediate(self.tokens_per_cta, self.warps, self.warp_cols)):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
+        if self.smem_pad % 16 or self.smem_pad < 0:
+            raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
         if self.gating != SILU_GATING and not self.intermediate_splits:
             raise ValueError("gating is the fused intermediate's (intermediate_splits > 0)")
         if self.input is not None and self.planes != 2:
@@ -226,7 +231,7 @@ class MoEGemmConfig:
     @property
     def smem_bytes(self) -> int:
         routes = 4 * self.tokens_per_cta if self.resident_rows > 1 else 0  # sRoute: each row's route
-        return self.mainloop.smem_bytes + 4 * self.extra_term_words + routes
+        return self.mainloop.smem_bytes + 4 * self.extra_term_words + routes + self.smem_pad
 
 
 class MoEGemm(DecodeGemmKernel):
@@ -313,6 +318,8 @@ class MoEGemm(DecodeGemmKernel):
         sRoute = sLast  # resident rows: the route in each row of the block (-1: padding)
         if cutlass.const_expr(cfg.resident_rows > 1):
             sRoute = smem.allocate_tensor(Int32, cute.make_layout(cfg.tokens_per_cta), 16)
+        if cutlass.const_expr(cfg.smem_pad > 0):
+            smem.allocate_tensor(Int32, cute.make_layout(cfg.smem_pad // 4), 16)  # held, never touched
         sTerm = sLast  # the fused top-k sum's slot terms: the weight stages, or their own where those are smaller
         if cutlass.const_expr(cfg.extra_term_words > 0):
             sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)

@@ -720,3 +720,25 @@ def test_gpt_oss_gating_and_biases_compile(arch):
         Gating("silu", 7.0)
     with pytest.raises(ValueError, match="gating"):
         gemm_config(4.0, "mcg", 2, 8, gating=oss)  # no fused intermediate: nothing gates
+
+
+def test_spread_down_gemm_holds_six_ctas_an_sm_and_runs_the_same_code():
+    """The M=1 down GEMM with moe.DOWN_MAX_CTAS_PER_SM's shared-memory pad (sm_90a, E=128 top-8 2048x768 K=4 mcg):
+    the kernel's own shared memory within moe.STATIC_SMEM_MARGIN, 6 CTAs an SM by its compiled registers and shared
+    memory, and the unpadded kernel's instructions, opcode for opcode."""
+    from exl3tool import sass
+    from exl3tool.kernels.moe_route import MoERouteConfig
+    from exl3tool.ops import targets
+    from exl3tool.ops.moe import GroupShape, LayerShape
+
+    layer = LayerShape(MoERouteConfig("softmax_topk", 128, 8, True, 1.0, 1, 1, False, False, "none"), 2048,
+                       (GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
+    down = moe_ops.step_configs(layer, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    assert down.smem_pad > 0
+    kernels = [sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[MoEGemmConfig](c, o), "sm_90a"),
+                                  dynamic_smem_bytes=c.smem_bytes)[0]
+               for c in (down, dataclasses.replace(down, smem_pad=0))]
+    padded, plain = kernels
+    assert padded.static_smem_bytes <= moe_ops.STATIC_SMEM_MARGIN
+    assert targets.resident_ctas("sm_90a", 32 * down.warps, padded.smem_per_cta_bytes, padded.registers) == 6
+    assert [i.opcode for i in padded.instructions] == [i.opcode for i in plain.instructions]

@@ -4,6 +4,7 @@ shared experts); split-K always covers K in whole stages; the launch count."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,15 +12,18 @@ import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops import moe as moe_ops
+from exl3tool.ops import targets
 from exl3tool.ops.moe import (
     DeviceExpertGroup,
     GroupShape,
     LayerShape,
     _per_split,
+    block_bound,
     expected_blocks,
     input_rotation_layout,
     intermediate_blocks_per_warp,
     intermediate_config,
+    spread_pad,
     step_shape,
     sum_blocks_per_cta,
 )
@@ -94,7 +98,7 @@ def test_block_rows_grow_with_the_routes_per_expert():
         64, 128, 128, 320, 256, 320]
     assert step_shape(d, 8192, 188, "sm_120a").block_rows == 128
     one = step_shape(d, 1, 132)
-    assert one.blocks == 1 + 8 and one.splits13 > 1 and one.splits2 > 1  # M=1 splits K to fill the SMs
+    assert one.blocks == 8 and one.splits13 > 1 and one.splits2 > 1  # M=1 splits K to fill the SMs
 
 
 def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_ready_counters(monkeypatch):
@@ -356,7 +360,7 @@ def test_unsplit_gemms_store_fp16_partials_from_the_listed_token_count(monkeypat
     """From HALF_PARTIALS_MIN_TOKENS on, each GEMM of one K split and the launch that sums its partials take
     float16 partials; a split GEMM (and the launch after it) keeps float32 at any M (each split's would round)."""
     layer = moe()
-    wide = moe(num_experts=4, top_k=2, hidden_p=4096, inter_p=4096)  # split down GEMMs at every M below
+    wide = moe(num_experts=2, top_k=1, hidden_p=4096, inter_p=8192)  # split down GEMMs at every M below
     first = moe_ops.HALF_PARTIALS_MIN_TOKENS
     for m in (first - 1, first, 4096):
         for d in (layer, wide):
@@ -372,3 +376,52 @@ def test_unsplit_gemms_store_fp16_partials_from_the_listed_token_count(monkeypat
     gate_up, down = (cfg for role, cfg in c.kernels() if role in ("gate/up", "down"))
     assert (gate_up.input, gate_up.partials, down.partials, down.topk_sum.partials) == (
         "float16", "float16", "float16", "float16")
+
+
+def _spreads(routes: int, experts: int):
+    """Every way of putting ``routes`` routes on ``experts`` experts (counts per expert)."""
+    for cuts in itertools.combinations(range(routes + experts - 1), experts - 1):
+        edges = (-1, *cuts, routes + experts - 1)
+        yield [b - a - 1 for a, b in zip(edges, edges[1:])]
+
+
+def test_block_bound_is_the_most_blocks_any_routing_fills():
+    """moe.block_bound: no way of putting R routes on E experts fills more blocks of T rows, and one fills exactly
+    that many (every case of E <= 5, T <= 8, R <= 12)."""
+    for experts in (1, 2, 3, 5):
+        for rows in (1, 2, 3, 8):
+            for n in range(1, 13):
+                most = max(sum(-(-c // rows) for c in counts) for counts in _spreads(n, experts))
+                assert block_bound(n, experts, rows) == most, (n, experts, rows)
+    # the fused layer at M = 1: its 8 routes fill 8 blocks, no ninth (idle CTAs in every grid)
+    assert step_shape(moe(), 1, 132).blocks == 8 and step_shape(moe(shared="gated"), 1, 132).blocks == 9
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a", "sm_80"])
+def test_spread_pad_holds_an_sm_to_the_asked_ctas(arch):
+    """moe.spread_pad: a CTA of ``smem`` bytes plus the pad (and up to STATIC_SMEM_MARGIN of the kernel's own) fits
+    the asked CTAs an SM where shared memory binds, and never more; no pad where the CTA is large enough already."""
+    for ctas in (2, 4, 6, 8):
+        for smem in (4096, 17424, 30000):
+            pad = spread_pad(arch, smem, ctas)
+            assert pad % 16 == 0 and pad >= 0
+            for own in (0, moe_ops.STATIC_SMEM_MARGIN):
+                fit = targets.resident_ctas(arch, 128, smem + pad + own, 32)
+                assert fit == ctas if pad else fit <= ctas, (ctas, smem, own)
+    assert spread_pad(arch, 4096, None) == 0
+
+
+def test_down_gemm_is_spread_at_the_listed_token_counts(monkeypatch):
+    """moe.DOWN_MAX_CTAS_PER_SM: at M=1 the down GEMM (alone) holds the shared memory that keeps it to 6 CTAs an SM
+    of an H100 / H200; other M and the other kernels hold none."""
+    def pads(m):
+        c = moe_ops.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16")
+        return {role: cfg.smem_pad for role, cfg in c.kernels() if role in ("gate/up", "down")}
+
+    assert pads(2) == {"gate/up": 0, "down": 0}
+    one = pads(1)
+    assert one["gate/up"] == 0 and one["down"] > 0
+    down = moe_ops.step_configs(moe(), 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    assert targets.resident_ctas("sm_90a", 128, down.smem_bytes, 32) == moe_ops.DOWN_MAX_CTAS_PER_SM[1] == 6
+    monkeypatch.setattr(moe_ops, "DOWN_MAX_CTAS_PER_SM", {})
+    assert pads(1)["down"] == 0

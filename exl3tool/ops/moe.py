@@ -49,7 +49,10 @@ from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.targets import WGMMA_LAYOUT, check_whole_stages, decode_warps, has_wgmma, split_halves
 from exl3tool.ops.workspace import counters
 
-CTAS_PER_SM = 8  # split-K aims for this many CTAs per SM, as the dense GEMM
+# Split-K aims for this many CTAs per SM (the dense GEMM: 8). At M=1 (8 blocks since block_bound) 8 would take 6 K
+# splits of gate/up, 1152 CTAs where 8 an SM fit (62 registers); 7 keeps every M's splits as they were before that
+# bound (M=1-4: 4/3, 3/2, 2/2, 3/2).
+CTAS_PER_SM = 7
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
 # From this many (token, 128 block) pairs per SM on, the input rotation holds 8 values a lane (16-byte x and X, a
 # warp per two blocks) and splits a token's slots over 4 CTAs (two a warp: the scales of 8 would need 168
@@ -195,7 +198,7 @@ SKIP_PADDING_TAIL = True
 # docs/perf.md, forty-eighth session).
 GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}  # 64: see SYNC_BELOW_MEAN
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
-# rows, when its grid is short: at most FUSED_INTERMEDIATE_WAVES waves of CTAS_PER_SM a SM, counting the blocks of
+# rows, when its grid is short: at most FUSED_INTERMEDIATE_CTAS_PER_SM CTAs an SM (1.25 waves of 8), counting the blocks of
 # the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last one's
 # serial tail, then overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold
 # copies, two rounds, y bit-identical, launch -> fused (waves): M=2 38.3 -> 36.9 (1.06), M=3 46.6 -> 44.4 (1.03),
@@ -203,7 +206,7 @@ GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}  # 64: see SYNC_BELOW_M
 # 61.0 (1.34, two K splits), M=9 95.1 -> 95.4 (1.33), M=10 98.3 -> 106.6 (1.44), M=12 108.1 -> 113.3 (1.64), M=16
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
-FUSED_INTERMEDIATE_WAVES = 1.25
+FUSED_INTERMEDIATE_CTAS_PER_SM = 10
 # Pipelines (stages, k-tiles a stage) of the mma.sync route blocks whose K is not split (each CTA runs the whole K:
 # at hidden 2048 / intermediate 768, 16 stages of 8 k-tiles of gate/up, 6 of down), by (block rows, warps a CTA), in
 # order of preference: the first whose stage divides the GEMM's k-tiles. The main loop is unrolled over 3 or 4
@@ -289,6 +292,14 @@ FUSED_TOPK_TOKENS = 1
 # H100, E=128 top-8 2048x768 K=4 mcg, layer graph, 3 rounds, us (fp32 -> fp16): M=512 316.68 -> 311.53, M=1024
 # 455.66 -> 454.66, M=4096 1,058.28 -> 1,039.73; from 16 tokens within 1% (M=64 161.22 -> 160.63, P in the L2).
 HALF_PARTIALS_MIN_TOKENS = 512
+# The down GEMM's most CTAs an SM, by tokens (spread_pad: shared memory they hold and never touch). Its CTAs launch
+# while gate/up's last ones still run, and the GPU fills the SMs with room first: at M=1 (H100, the per-CTA trace,
+# exl3tool.bench.trace) its 768 CTAs landed on 80 of the 132 SMs, up to 10 each, their main loops 2.7-6.0 us; held to 6
+# they land on 128-129 SMs, loops 2.2-3.9 us. H200, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y
+# bit-identical, us: M=1 24.04 -> 22.98 (7 an SM 23.28); at M=2 and 4 (8 an SM) within the spreads (34.93 -> 35.05,
+# 52.14 -> 53.08) (docs/perf.md, sixtieth session).
+DOWN_MAX_CTAS_PER_SM = {1: 6}
+STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemmConfig.smem_bytes (static, alignment)
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()
 
@@ -701,20 +712,30 @@ def step_shape(dmoe: DeviceMoE, tokens: int, sm_count: int, arch: str | None = N
     layout = gemm_layout(block_rows, dmoe.groups[0].w13_codebook, wgmma, tokens)
     warps = block_warps(block_rows, dmoe.groups[0].w13_codebook, wgmma, tokens)
     stage = layout.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage)
-    # every expert that gets a route needs at most one partly filled block
-    blocks = math.ceil(routes / block_rows) + min(cfg.packed_experts, routes)
+    blocks = block_bound(routes, cfg.packed_experts, block_rows)
     i_p = max(g.intermediate_padded for g in dmoe.groups)
     ctas_per_block13 = 2 * i_p // 16 // warps
     splits13 = _splits(ctas_per_block13 * blocks, dmoe.hidden_padded // 16, stage, sm_count)
     splits2 = _splits(dmoe.hidden_padded // 16 // warps * blocks, i_p // 16, stage, sm_count)
     short = ctas_per_block13 * expected_blocks(cfg, tokens, block_rows) * splits13 <= (
-        FUSED_INTERMEDIATE_WAVES * CTAS_PER_SM * sm_count)
+        FUSED_INTERMEDIATE_CTAS_PER_SM * sm_count)
     # the block-ready counters come with the fused intermediate, which the mma.sync 128-row blocks' shared decode
     # cannot take (GPUs without warpgroup MMAs, SM120 included, from a mean of 128 routes an expert)
     fusable = fuses_intermediate(block_rows, warps, layout.get("warp_cols", 1))
     ready = tokens >= READY_COUNTERS_MIN_TOKENS and not wgmma and fusable
     fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short)
     return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready, wgmma)
+
+
+def block_bound(routes: int, experts: int, block_rows: int) -> int:
+    """The most route blocks ``routes`` routes over ``experts`` experts can fill (the grids' block rows). An expert
+    holding r routes fills ceil(r / T) = (r - 1) // T + 1 blocks, so n experts holding them all fill at most
+    (routes - n) // T + n, most where n is largest. The looser ceil(routes / T) + n gave every grid idle CTAs, which
+    took SM slots the live ones then lacked (M=1: a ninth 8-row block, 96 of the gate/up GEMM's 864 CTAs, up to 7 live
+    ones an SM instead of 6). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y bit-identical, us:
+    M=1 24.53 -> 24.04; M=2, 4 and 256 within the spreads (35.56 -> 34.93, 53.94 -> 52.14, 229.12 -> 227.34)."""
+    n = min(experts, routes)
+    return (routes - n) // block_rows + n
 
 
 def expected_blocks(cfg: MoERouteConfig, tokens: int, block_rows: int) -> float:
@@ -963,8 +984,20 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
+        g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, DOWN_MAX_CTAS_PER_SM.get(tokens)))
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
+
+
+def spread_pad(arch: str, smem_bytes: int, ctas: int | None) -> int:
+    """Shared memory (bytes, a multiple of 16) to add to a CTA of ``smem_bytes`` so that at most ``ctas`` fit an SM
+    of ``arch`` (MoEGemmConfig.smem_pad); 0 for None."""
+    if not ctas:
+        return 0
+    lim = targets.limits(arch)
+    # ctas of them fit, one more does not, whatever up to STATIC_SMEM_MARGIN the kernel holds beside smem_bytes
+    footprint = lim.smem_bytes // ctas // 16 * 16 - STATIC_SMEM_MARGIN
+    return max(0, footprint - lim.smem_reserved_per_cta - smem_bytes)
 
 
 def partials_view(buffer: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -566,6 +566,27 @@ def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 2)), ("two-groups-k3-k5", (1,)),
+                                     ("k3.5-mul1-shared-gated", (1,))])
+def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, ms, monkeypatch):
+    """moe.DOWN_MAX_CTAS_PER_SM: the down GEMM's CTAs hold shared memory they never touch (MoEGemmConfig.smem_pad),
+    so fewer fit an SM: the same code and arithmetic, so y is bit-identical, eagerly (twice) and in graph replay, and
+    within MAX_REL of the reference."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for spread in ({m: 4}, {}):
+            y, made, plan = layer_with(monkeypatch, dmoe, x, {"DOWN_MAX_CTAS_PER_SM": spread})
+            assert [c.smem_pad > 0 for c in made] == [bool(spread) and c.planes == 1 for c in made]
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), (name, m)
+        ids, weights = (t.clone() for t in routes(plan, m))
+        assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
