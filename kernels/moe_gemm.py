@@ -298,6 +298,8 @@ class MoEGemm(DecodeGemmKernel):
                mSvh: cute.Tensor, mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor,
                mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
+        region = ptx.TRACE_GATE_UP if cfg.planes == 2 else ptx.TRACE_DOWN  # the timing trace's (ptx.TRACE_ADDR)
+        ptx.trace_stamp(region, ptx.TRACE_ENTRY)
         # With ready_signal the down GEMM waits for its blocks' ready counters, not for this grid, so it may launch
         # before this kernel's own PDL wait; it reads the route's block table first, though. Behind the input
         # rotation that table is written (the rotation waited for the route before letting this kernel launch);
@@ -306,6 +308,7 @@ class MoEGemm(DecodeGemmKernel):
             ptx.launch_dependents()
         if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):
             ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
+            ptx.trace_stamp(region, ptx.TRACE_WAITED)
         if cutlass.const_expr(cfg.ready_signal and cfg.input is not None):
             ptx.launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
@@ -381,6 +384,9 @@ class MoEGemm(DecodeGemmKernel):
                     ready = block_ready_counter(mCounter, mBlockExpert, n_ib, blk)
                     gx, _, gz = cute.arch.grid_dim()
                     wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
+                if cutlass.const_expr(wait is not None):
+                    inner_wait = wait
+                    wait = lambda: (inner_wait(), ptx.trace_stamp(region, ptx.TRACE_WAITED))  # noqa: E731
                 loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
                              tok0, rows, k_begin, n_chunks, None, rows)
                 if cutlass.const_expr(cfg.group_loops):
@@ -415,6 +421,7 @@ class MoEGemm(DecodeGemmKernel):
                     if tail_run != 0:
                         tail = [g for g, skip in zip(groups, skippable) if skip]
                         store_partials(mP, acc, tail, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
+            ptx.trace_stamp(region, ptx.TRACE_LOOP)
             if cutlass.const_expr(cfg.next_after_loop):
                 ptx.launch_dependents()
 
@@ -422,6 +429,7 @@ class MoEGemm(DecodeGemmKernel):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
                 counter = mCounter.iterator.toint() + (Int64(blk) * (n_col_tiles // 8) + block) * 4
                 ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
+                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
                 if sLast[0] != 0:
                     if cutlass.const_expr(cfg.input is not None and cfg.resident_rows == 1):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
@@ -447,11 +455,17 @@ class MoEGemm(DecodeGemmKernel):
                 counter = mSumCounter.iterator.toint() + Int64(block) * 4
                 ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
                              0, tid)
+                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
                 if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
                     topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0, block,
                                    warp, cfg.warps, lane)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+            ptx.trace_stamp(region, ptx.TRACE_END)
+            last = Int32(0)  # sLast[0]: this CTA arrived last at its fused tail's counter
+            if cutlass.const_expr(cfg.intermediate_splits > 0 or cfg.topk_sum is not None):
+                last = sLast[0]
+            ptx.trace_flags(region, ptx.TRACE_LIVE | last)
         elif cutlass.const_expr(cfg.weights_before_wait):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):

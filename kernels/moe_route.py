@@ -249,6 +249,7 @@ class MoERoute:
                mCounters: cute.Tensor, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor,
                mRowRoute: cute.Tensor, block_rows: Int32):
         ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
+        ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_ENTRY)
         cfg = self.cfg
         tid, _, _ = cute.arch.thread_idx()
         chunk, tb, _ = cute.arch.block_idx()
@@ -278,10 +279,13 @@ class MoERoute:
 
         # --- the last CTA of this token block: top-k of its tokens ----------------------------------------
         counter = mCounters.iterator.toint() + Int64(tb) * 4
+        ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_WAITED)  # (its logits stored)
         ptx.count_in(counter, n_chunks, sFlag, 0, tid)
+        ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_LOOP)  # (arrived)
         if sFlag[0] != 0:
             self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single,
                        tb * cfg.token_tile + warp, tokens, lane)
+            ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_ARRIVED)  # (its top-k done)
             if tid == 0:
                 ptx.st_global_u32(counter, Int32(0))
             if single:
@@ -297,6 +301,8 @@ class MoERoute:
                               sScan, tid, False)
                     if tid == 0:
                         ptx.st_global_u32(last, Int32(0))
+        ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
+        ptx.trace_flags(ptx.TRACE_ROUTE, ptx.TRACE_LIVE | sFlag[0])
 
     @cute.jit
     def logits(self, mX: cute.Tensor, mRouter: cute.Tensor, mLogits: cute.Tensor, sRing: cute.Tensor, e0: Int32,

@@ -601,3 +601,62 @@ def wgmma_m64k16(a, desc, acc, dtype: str, *, loc=None, ip=None):
                                                              Int32(1).ir_value(loc=loc, ip=ip)]
     values += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
     return _asm_4(Float32, values, text, constraints, side_effects=True, count=n, loc=loc, ip=ip)
+
+
+# --- the per-CTA timing trace (exl3tool.bench.trace) -----------------------------------------------------------
+
+# A device address, set before the kernels compile (they are other kernels then: ops.runtime keys them by it); 0: the
+# kernels hold no trace code at all.
+TRACE_ADDR = 0
+TRACE_REGION_CTAS = 8192  # CTAs a kernel's region holds; CTAs past it store nothing
+TRACE_POINTS = 8  # u64 slots a CTA: %globaltimer (ns) at points 0-4, its SM id << 8 | flags in the last
+TRACE_ROUTE, TRACE_GATE_UP, TRACE_DOWN = 0, 1, 2  # regions, one a kernel (one expert group's GEMMs)
+TRACE_REGIONS = 3
+# points: entry, the PDL wait returned (the route: its logits stored), the main loop and partial stores done (the
+# route: the arrival), the arrival (the route: its top-k), the end; the flags: 2 | 1 where the CTA arrived last
+TRACE_ENTRY, TRACE_WAITED, TRACE_LOOP, TRACE_ARRIVED, TRACE_END = range(5)
+TRACE_LIVE, TRACE_LAST = 2, 1
+
+
+@dsl_user_op
+def _store_globaltimer(addr, *, loc=None, ip=None) -> None:
+    _asm_void([Int64(addr).ir_value(loc=loc, ip=ip)],
+              "{ .reg .u64 t; mov.u64 t, %globaltimer; st.global.u64 [$0], t; }", "l", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _store_smid(addr, flags, *, loc=None, ip=None) -> None:
+    _asm_void([Int64(addr).ir_value(loc=loc, ip=ip), Int32(flags).ir_value(loc=loc, ip=ip)],
+              "{ .reg .u64 t; .reg .u32 s; mov.u32 s, %smid; shl.b32 s, s, 8; or.b32 s, s, $1; cvt.u64.u32 t, s; "
+              "st.global.u64 [$0], t; }", "l,r", loc=loc, ip=ip)
+
+
+@cute.jit
+def trace_stamp(region: cutlass.Constexpr, point: cutlass.Constexpr):
+    """Where TRACE_ADDR is set: thread 0 stores %globaltimer at ``point`` of its CTA's slots in ``region`` (every
+    thread calls it). Nothing otherwise."""
+    if cutlass.const_expr(TRACE_ADDR != 0):
+        tid, _, _ = cute.arch.thread_idx()
+        cta = _trace_cta()
+        if tid == 0 and cta < TRACE_REGION_CTAS:
+            _store_globaltimer(_trace_slot(region, cta, point))
+
+
+@cute.jit
+def trace_flags(region: cutlass.Constexpr, flags: Int32):
+    """Where TRACE_ADDR is set: thread 0 stores its SM id << 8 | ``flags`` in its CTA's last slot of ``region``."""
+    if cutlass.const_expr(TRACE_ADDR != 0):
+        tid, _, _ = cute.arch.thread_idx()
+        cta = _trace_cta()
+        if tid == 0 and cta < TRACE_REGION_CTAS:
+            _store_smid(_trace_slot(region, cta, TRACE_POINTS - 1), flags)
+
+
+def _trace_cta():
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, _ = cute.arch.grid_dim()
+    return (bz * gy + by) * gx + bx
+
+
+def _trace_slot(region: int, cta, slot: int):
+    return Int64(TRACE_ADDR) + (Int64(region * TRACE_REGION_CTAS) + Int64(cta)) * (TRACE_POINTS * 8) + slot * 8

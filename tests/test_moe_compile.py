@@ -742,3 +742,19 @@ def test_spread_down_gemm_holds_six_ctas_an_sm_and_runs_the_same_code():
     assert padded.static_smem_bytes <= moe_ops.STATIC_SMEM_MARGIN
     assert targets.resident_ctas("sm_90a", 32 * down.warps, padded.smem_per_cta_bytes, padded.registers) == 6
     assert [i.opcode for i in padded.instructions] == [i.opcode for i in plain.instructions]
+
+
+def test_trace_stamps_only_in_traced_kernels(monkeypatch):
+    """exl3tool.bench.trace: with ptx.TRACE_ADDR set the route and the GEMMs store %globaltimer at their marked
+    points and their SM id (%smid); without it they hold no trace code (their SASS is the untraced kernels')."""
+    from exl3tool.kernels import ptx
+
+    gate_up = gemm_config(4.0, "mcg", 2, 8, intermediate_splits=4, split_halves=True)
+    down = gemm_config(4.0, "mcg", 1, 8, weights_before_wait=True)
+    route = MoERouteConfig("softmax_topk", 128, 8)
+    assert not any("%globaltimer" in ptx_of(c) or "%smid" in ptx_of(c) for c in (gate_up, down, route))
+    monkeypatch.setattr(ptx, "TRACE_ADDR", 1 << 40)
+    # gate/up: entry, its wait, the loop, the arrival, the end; down (no fused tail): all but the arrival
+    for config, stamps in ((gate_up, 5), (down, 4), (route, 5)):
+        text = ptx_of(config, "sm_90a")
+        assert text.count("mov.u64 t, %globaltimer;") == stamps and text.count("mov.u32 s, %smid;") == 1, config

@@ -61,7 +61,9 @@ def compile_cached(key: tuple, arch: str, build: Callable[[str], Any]) -> Any:
     it from the on-disk cache (``kernel_cache``) instead of compiling it again.
 
     Returned as ``direct_function`` of it: callers pass every argument positionally, as the launchers do."""
-    full_key = (*key, arch)
+    from exl3tool.kernels.ptx import TRACE_ADDR
+
+    full_key = (*key, arch) + ((TRACE_ADDR,) if TRACE_ADDR else ())  # traced kernels are others (bench.trace)
     entry = _cache.get(full_key)
     if entry is None:
         with _lock:

@@ -1,0 +1,170 @@
+"""Where a fused MoE layer's time goes, CTA by CTA: a per-CTA timer trace of the route kernel and the two GEMMs.
+
+    python -m exl3tool.bench.trace [--set MODULE.ATTR=VALUE ...] M [M ...]
+
+Kernels compiled inside ``tracing()`` (``kernels.ptx.TRACE_ADDR`` set to a device buffer) have thread 0 of every CTA
+store %globaltimer (ns, one clock for every SM) at the points ``ptx.trace_stamp`` marks: entry, the PDL wait
+returned, the main loop and its partial stores done, the arrival at the fused tail's counter, the end (the route:
+entry, its logits stored, its arrival, its top-k, the end), and its SM id with a "last to arrive" flag. Outside it
+the kernels hold no trace code. The report takes the last of MOE_COPIES L2-cold calls of one graph replay of the
+synthetic Qwen3-30B-A3B-shaped layer (as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry:
+each point's spread over the CTAs that did work (min, p10, median, p90, max), the same for the CTAs that arrived last
+(they run the fused tails), each phase's length a CTA, and the CTAs an SM. One expert group's GEMMs (the regions
+are by kernel). The timer ticks in 32 ns on an H100 / H200.
+
+What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs (``moe.DOWN_MAX_CTAS_PER_SM``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import os
+import shutil
+import statistics
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+
+from exl3tool.ops import kernel_cache
+
+ROUTE_POINTS = ("entry", "logits", "arrived", "top-k", "end")
+GEMM_POINTS = ("entry", "waited", "loop+P", "arrived", "end")
+PHASES = (("wait", 0, 1), ("loop", 1, 2), ("arrive", 2, 3), ("tail", 3, 4))  # (name, from point, to point)
+
+
+@contextlib.contextmanager
+def tracing(device) -> Iterator:
+    """Kernels compiled (planned) inside trace into the yielded int64 tensor ``[regions, CTAs, points]`` (zeroed);
+    the on-disk kernel cache is off meanwhile (traced kernels hold the buffer's address)."""
+    import torch
+
+    from exl3tool.kernels import ptx
+
+    stamps = torch.zeros(ptx.TRACE_REGIONS, ptx.TRACE_REGION_CTAS, ptx.TRACE_POINTS, dtype=torch.int64,
+                         device=device)
+    saved = ptx.TRACE_ADDR, os.environ.get(kernel_cache.CACHE_ENV)
+    ptx.TRACE_ADDR = stamps.data_ptr()
+    os.environ[kernel_cache.CACHE_ENV] = kernel_cache.OFF
+    try:
+        yield stamps
+    finally:
+        ptx.TRACE_ADDR = saved[0]
+        if saved[1] is None:
+            os.environ.pop(kernel_cache.CACHE_ENV, None)
+        else:
+            os.environ[kernel_cache.CACHE_ENV] = saved[1]
+
+
+def live_ctas(stamps: np.ndarray, region: int) -> np.ndarray:
+    """The rows ``[CTAs, points]`` of a region's CTAs that did work (their flags slot set)."""
+    from exl3tool.kernels import ptx
+
+    rows = stamps[region]
+    return rows[(rows[:, -1] & ptx.TRACE_LIVE) != 0]
+
+
+def spread(values) -> str:
+    """min p10 median p90 max of ``values``, or "-"."""
+    v = sorted(values)
+    if not v:
+        return "-"
+    picks = (v[0], v[len(v) // 10], statistics.median(v), v[9 * len(v) // 10], v[-1])
+    return " ".join(f"{p:8.2f}" for p in picks)
+
+
+def report(stamps: np.ndarray) -> list[str]:
+    """The text report of one traced call (``stamps``: ``tracing()``'s tensor on the CPU, as numpy)."""
+    from exl3tool.kernels import ptx
+
+    route = live_ctas(stamps, ptx.TRACE_ROUTE)
+    if len(route) == 0:
+        return ["no traced route CTAs (were the kernels compiled inside tracing()?)"]
+    t0 = route[:, ptx.TRACE_ENTRY].min()
+    us = lambda ns: (ns - t0) / 1000.0  # noqa: E731
+    out = ["us from the route's first entry: min p10 median p90 max"]
+    names = {ptx.TRACE_ROUTE: ("route", ROUTE_POINTS), ptx.TRACE_GATE_UP: ("gate/up", GEMM_POINTS),
+             ptx.TRACE_DOWN: ("down", GEMM_POINTS)}
+    for region, (name, points) in names.items():
+        live = live_ctas(stamps, region)
+        if len(live) == 0:
+            continue
+        last = live[(live[:, -1] & ptx.TRACE_LAST) != 0]
+        per_sm = np.unique(live[:, -1] >> 8, return_counts=True)[1]
+        out.append(f"{name}: {len(live)} CTAs on {len(per_sm)} SMs ({per_sm.min()}-{per_sm.max()} an SM, median "
+                   f"{statistics.median(per_sm.tolist()):g}), {len(last)} last to arrive")
+        for rows, prefix in ((live, ""), (last, "last ")):
+            for p, point in enumerate(points):
+                # a point a CTA did not reach this call holds 0 or an earlier call's stamp: before t0
+                out.append(f"  {prefix + point:14s}{spread([us(t) for t in rows[:, p] if t >= t0])}")
+        for phase, a, b in PHASES:
+            took = [(y - x) / 1000.0 for x, y in zip(live[:, a], live[:, b]) if x >= t0 and y >= x]
+            out.append(f"  {'d ' + phase:14s}{spread(took)}")
+    return out
+
+
+def trace_layer(tokens: int, layers, device="cuda") -> tuple[float, np.ndarray]:
+    """(us a call, the stamps of the last call) of one graph replay over ``layers`` (DeviceMoE copies) at ``tokens``
+    tokens, planned and compiled traced."""
+    import torch
+
+    from exl3tool.bench import timing
+    from exl3tool.ops import moe
+
+    g = torch.Generator(device=device).manual_seed(11 + tokens)
+    x = torch.randn(tokens, layers[0].hidden, generator=g, device=device).half()
+    with tracing(device) as stamps:
+        plans = [moe.plan_moe(layer, tokens, x.dtype) for layer in layers]
+
+        def step():
+            for p in plans:
+                moe.moe_forward(x, p)
+
+        step()
+        torch.cuda.synchronize()
+        graph = timing.capture_graph(step)
+        timing.warm_up(graph.replay)
+        (t,) = timing.time_interleaved([(graph.replay, len(plans))], 10)
+        stamps.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        return t.median_us, stamps.cpu().numpy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m exl3tool.bench.trace", description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="set a module attribute (a Python literal) before anything compiles")
+    p.add_argument("tokens", nargs="+", type=int, metavar="M")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (none is visible to torch)")
+    for item in args.set:
+        target, eq, value = item.partition("=")
+        module, _, attr = target.rpartition(".")
+        try:
+            setattr(importlib.import_module(module), attr, ast.literal_eval(value))
+        except (ImportError, ValueError, SyntaxError) as error:
+            p.error(f"--set {item}: {error}")
+    from exl3tool.bench import ab
+
+    folder = ab._moe_folder()
+    try:
+        layers = ab._moe_layers(folder)
+        print(f"{torch.cuda.get_device_name()}; E=128 top-8 2048x768 K=4 mcg, {len(layers)} L2-cold copies a replay")
+        for m in args.tokens:
+            us, stamps = trace_layer(m, layers)
+            print(f"M={m}: {us:.2f} us a call (graph replay, traced kernels)")
+            print("\n".join("  " + line for line in report(stamps)))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

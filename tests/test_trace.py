@@ -1,0 +1,66 @@
+"""exl3tool.bench.trace's report, read from made-up stamps (no GPU): each point's spread over the CTAs that did work,
+the last-to-arrive CTAs apart, each phase's length, the CTAs an SM."""
+
+import numpy as np
+
+from exl3tool.bench.trace import live_ctas, report, spread
+from exl3tool.kernels import ptx
+
+T0 = 5_000_000  # ns: the route's first entry
+
+
+def made_up() -> np.ndarray:
+    stamps = np.zeros((ptx.TRACE_REGIONS, ptx.TRACE_REGION_CTAS, ptx.TRACE_POINTS), dtype=np.int64)
+
+    def cta(region, index, sm, last, *us):
+        stamps[region, index, : len(us)] = [T0 + int(u * 1000) for u in us]
+        stamps[region, index, -1] = sm << 8 | ptx.TRACE_LIVE | (ptx.TRACE_LAST if last else 0)
+
+    cta(ptx.TRACE_ROUTE, 0, 3, False, 0.0, 2.0, 3.0, -1.0, 3.1)  # top-k stamped by an earlier call: before t0
+    cta(ptx.TRACE_ROUTE, 1, 4, True, 0.1, 2.2, 3.0, 4.0, 5.0)
+    for i, (sm, loop_end) in enumerate([(0, 10.0), (0, 11.0), (1, 12.0), (2, 13.0)]):
+        cta(ptx.TRACE_GATE_UP, i, sm, i == 3, 0.5, 5.5, loop_end, loop_end + 1.0, loop_end + 1.5)
+    stamps[ptx.TRACE_GATE_UP, 4, 0] = T0 + 600  # an idle CTA (no flags): not counted
+    cta(ptx.TRACE_DOWN, 0, 5, True, 14.0, 16.0, 19.0, 20.0, 22.0)
+    return stamps
+
+
+def test_live_ctas_are_those_with_flags():
+    assert len(live_ctas(made_up(), ptx.TRACE_GATE_UP)) == 4
+
+
+def sections(lines: list[str]) -> dict[str, dict[str, list[str]]]:
+    """The report by kernel: its header line under "", then each row's label -> its numbers."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for line in lines[1:]:
+        if not line.startswith(" "):
+            kernel = line.split(":")[0]
+            out[kernel] = {"": [line]}
+        else:
+            label, numbers = line[:16].strip(), line[16:].split()
+            out[kernel][label] = numbers
+    return out
+
+
+def test_report_spreads_points_and_phases():
+    lines = report(made_up())
+    assert lines[0].startswith("us from the route's first entry")
+    s = sections(lines)
+    assert list(s) == ["route", "gate/up", "down"]
+    assert s["gate/up"][""] == ["gate/up: 4 CTAs on 3 SMs (1-2 an SM, median 1), 1 last to arrive"]
+    assert s["route"][""] == ["route: 2 CTAs on 2 SMs (1-1 an SM, median 1), 1 last to arrive"]
+    # gate/up's loops end at 10, 11, 12, 13 us: min p10 median p90 max; the last CTA's at 13
+    assert s["gate/up"]["loop+P"] == ["10.00", "10.00", "11.50", "13.00", "13.00"]
+    assert s["gate/up"]["last loop+P"] == ["13.00"] * 5
+    assert s["gate/up"]["d loop"] == ["4.50", "4.50", "6.00", "7.50", "7.50"]
+    assert s["gate/up"]["d tail"] == ["0.50"] * 5
+    # the route's top-k: only the last CTA's stamp is from this call (the other is an earlier call's)
+    assert s["route"]["top-k"] == ["4.00"] * 5
+    assert s["route"]["entry"] == ["0.00", "0.00", "0.05", "0.10", "0.10"]
+    assert s["down"]["d wait"] == ["2.00"] * 5
+
+
+def test_report_says_when_nothing_was_traced():
+    stamps = np.zeros((ptx.TRACE_REGIONS, ptx.TRACE_REGION_CTAS, ptx.TRACE_POINTS), dtype=np.int64)
+    assert report(stamps) == ["no traced route CTAs (were the kernels compiled inside tracing()?)"]
+    assert spread([]) == "-"
