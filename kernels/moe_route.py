@@ -87,6 +87,10 @@ class MoERouteConfig:
     expert_tile: int = 16  # router rows per CTA (16 or 32)
     token_tile: int = 8  # tokens per CTA (8, 16 or 32)
     early_next: bool = False  # PDL: let the next kernel launch right after this one's wait
+    # One token (the planner's M = 1): route block j is slot j's, block_expert[j] its expert, and no packing (its
+    # prefix sum and CTA barriers: 0.93 us of the route's 5.1 at M=1 on an H100, exl3tool.bench.trace). Only the
+    # one-token GEMMs read the blocks then, by expert (moe_gemm's prologue), never expert_row nor padding rows.
+    slot_blocks: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -101,6 +105,8 @@ class MoERouteConfig:
             raise ValueError("shared must be none, ungated or gated")
         if self.expert_tile not in (16, 32) or self.token_tile not in (8, 16, 32):
             raise ValueError("expert_tile must be 16 or 32, token_tile 8, 16 or 32")
+        if self.slot_blocks and self.method == "given":
+            raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
 
     @property
     def routes_per_token(self) -> int:
@@ -288,7 +294,10 @@ class MoERoute:
             ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_ARRIVED)  # (its top-k done)
             if tid == 0:
                 ptx.st_global_u32(counter, Int32(0))
-            if single:
+            if cutlass.const_expr(cfg.slot_blocks):
+                if warp == 0 and lane < mIds.shape[1]:  # token 0's warp: the slot this lane wrote
+                    mBlockExpert[lane] = mIds[0, lane]
+            elif single:
                 cute.arch.sync_threads()  # every route counted in sCount
                 self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
                           tid, True)

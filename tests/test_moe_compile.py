@@ -758,3 +758,14 @@ def test_trace_stamps_only_in_traced_kernels(monkeypatch):
     for config, stamps in ((gate_up, 5), (down, 4), (route, 5)):
         text = ptx_of(config, "sm_90a")
         assert text.count("mov.u64 t, %globaltimer;") == stamps and text.count("mov.u32 s, %smid;") == 1, config
+
+
+def test_route_with_slot_blocks_skips_the_packing():
+    """MoERouteConfig.slot_blocks (one token): the route kernel compiles (sm_120a, sm_90a) without the packing's
+    prefix-sum shuffles and with fewer CTA barriers, writing block_expert straight from the slots."""
+    plain = MoERouteConfig("softmax_topk", 128, 8, shared="gated")
+    slots = dataclasses.replace(plain, slot_blocks=True)
+    for arch in ("sm_120a", "sm_90a"):
+        packed, direct = ptx_of(plain, arch), ptx_of(slots, arch)
+        assert direct.count("shfl.sync.up") == 0 < packed.count("shfl.sync.up")
+        assert direct.count("bar.sync") < packed.count("bar.sync")

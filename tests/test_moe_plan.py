@@ -425,3 +425,20 @@ def test_down_gemm_is_spread_at_the_listed_token_counts(monkeypatch):
     assert targets.resident_ctas("sm_90a", 128, down.smem_bytes, 32) == moe_ops.DOWN_MAX_CTAS_PER_SM[1] == 6
     monkeypatch.setattr(moe_ops, "DOWN_MAX_CTAS_PER_SM", {})
     assert pads(1)["down"] == 0
+
+
+def test_slot_blocks_at_one_token_where_only_the_one_token_gemms_read_the_blocks(monkeypatch):
+    """moe.SLOT_BLOCKS: the route kernel skips the packing (MoERouteConfig.slot_blocks) at M = 1 with the router's
+    routes, where the gate/up GEMM rotates x itself and both GEMMs do the intermediate and the top-k sum; not for the
+    caller's routes (they may repeat an expert), nor from two tokens, nor behind an input rotation launch."""
+    def slot(m, given=False, **layer):
+        return moe_ops.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16").route.slot_blocks
+
+    assert not slot(1)  # off until measured on a GPU
+    monkeypatch.setattr(moe_ops, "SLOT_BLOCKS", True)
+    assert slot(1) and slot(1, shared="gated")
+    assert not slot(1, given=True) and not slot(2) and not slot(8)
+    monkeypatch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", 0)  # an input rotation launch, which reads expert_row
+    assert not slot(1)
+    with pytest.raises(ValueError, match="slot_blocks"):
+        MoERouteConfig("given", 128, 8, slot_blocks=True)

@@ -300,6 +300,11 @@ HALF_PARTIALS_MIN_TOKENS = 512
 # 52.14 -> 53.08) (docs/perf.md, sixtieth session).
 DOWN_MAX_CTAS_PER_SM = {1: 6}
 STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemmConfig.smem_bytes (static, alignment)
+# At one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks) instead of packing, where
+# the GEMMs rotate x themselves and do the intermediate and the top-k sum (nothing else reads the packing then). Off
+# until measured: built in the sixtieth session after its last GPU call (the trace puts the packing at 0.93 us of
+# M=1's 23.5 on an H100); its GPU test, test_slot_blocks_at_one_token_change_no_bit, has not run yet.
+SLOT_BLOCKS = False
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()
 
@@ -986,6 +991,9 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
             g2 = replace(g2, topk_sum=topk)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, DOWN_MAX_CTAS_PER_SM.get(tokens)))
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
+    if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
+                                           and g.down.topk_sum is not None for g in groups):
+        route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
 
 

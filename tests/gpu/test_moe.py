@@ -587,6 +587,28 @@ def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, ms, monkeypatc
         assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
+def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
+    """moe.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
+    instead of packing the routes by expert: each block's GEMM work is the same, so y is bit-identical, eagerly
+    (twice) and in graph replay, and within MAX_REL of the reference; the blocks hold the slots' experts."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for on in (True, False):
+        y, _, plan = layer_with(monkeypatch, dmoe, x, {"SLOT_BLOCKS": on})
+        assert plan.configs(1, False).route.slot_blocks == on
+        ids = routes(plan, 1)[0].view(-1)
+        blocks = plan.block_expert[: ids.numel()]
+        assert torch.equal(blocks, ids if on else ids.sort().values)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), name
+    ids, weights = (t.clone() for t in routes(plan, 1))
+    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
@@ -1092,7 +1114,10 @@ def test_route_packing_one_token_block_or_several(synthetic, name):
             assert torch.equal(rank[ids == e].sort().values, torch.arange(count[e].item(), device="cuda")), (m, e)
         t = plan.step(m, False).shape.block_rows
         padded = (count + t - 1) // t * t
-        assert torch.equal(plan.expert_row.long(), padded.cumsum(0) - padded), m
+        if plan.configs(m, False).route.slot_blocks:  # one token: route block j is slot j's, no packing
+            assert m == 1 and torch.equal(plan.block_expert[:k].long(), ids)
+        else:
+            assert torch.equal(plan.expert_row.long(), padded.cumsum(0) - padded), m
         logits[m] = plan.logits[: m * e_r].view(m, e_r).clone()
     for m, got in logits.items():
         assert torch.equal(got.view(torch.int32), logits[64][:m].view(torch.int32)), m
