@@ -305,6 +305,11 @@ STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemm
 # until measured: built in the sixtieth session after its last GPU call (the trace puts the packing at 0.93 us of
 # M=1's 23.5 on an H100); its GPU test, test_slot_blocks_at_one_token_change_no_bit, has not run yet.
 SLOT_BLOCKS = False
+# Up to this many tokens a token block's route CTAs run as one cluster (MoERouteConfig.cluster: the logits into rank
+# 0's shared memory, no arrival counter, no logits read back from L2). Off until measured: built in the sixtieth
+# session after its last GPU call (the trace puts the arrival and the top-k's L2 reads at about 1 us of M=1's route
+# on an H100); its GPU test, test_route_clusters_change_no_bit, has not run yet.
+ROUTE_CLUSTER_MAX_TOKENS = 0
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()
 
@@ -922,6 +927,19 @@ class StepConfigs:
         return out + ([("top-k sum", self.topk)] if self.topk is not None else [])
 
 
+def route_config(cfg: MoERouteConfig, tokens: int, given: bool, arch: str, x_dtype: str) -> MoERouteConfig:
+    """The route kernel at ``tokens``: its tiles (tiles_for), the early launch up to EARLY_ROUTE_NEXT_TOKENS, a token
+    block's CTAs as a cluster up to ROUTE_CLUSTER_MAX_TOKENS where ``arch`` has clusters and the config takes one."""
+    route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
+    if tokens <= ROUTE_CLUSTER_MAX_TOKENS and targets.has_clusters(arch):
+        try:
+            return replace(route, cluster=True)
+        except ValueError:  # more than 8 chunks of router rows, or their logits past rank 0's rings
+            pass
+    return route
+
+
 def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_groups: int, x_dtype: str,
                           k: int) -> RouteInputRotationConfig:
     """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
@@ -951,8 +969,7 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     wgmma = s.wgmma
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
-    route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
+    route = route_config(cfg, tokens, given, arch, x_dtype)
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)

@@ -587,6 +587,29 @@ def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, ms, monkeypatc
         assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 8, 16, 64)), ("two-groups-k3-k5", (2, 40)),
+                                     ("k3.5-mul1-shared-gated", (1, 5, 64)), ("deepseek-grouped-sigmoid", (3, 33))])
+def test_route_clusters_change_no_bit(synthetic, name, ms, monkeypatch):
+    """moe.ROUTE_CLUSTER_MAX_TOKENS: a token block's route CTAs as one cluster (MoERouteConfig.cluster: the logits
+    into rank 0's shared memory, no arrival counter): the same logits summed in the same order, so the logits, the
+    routes and y are bit-identical to the arrival path, eagerly (twice) and in graph replay, the counters back at
+    zero."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs = []
+        for on in (True, False):
+            y, _, plan = layer_with(monkeypatch, dmoe, x, {"ROUTE_CLUSTER_MAX_TOKENS": 64 if on else 0})
+            assert plan.configs(m, False).route.cluster == on, (name, m)
+            assert not plan.counters.any()
+            e_r = dmoe.route.router_rows
+            outs.append((y, plan.logits[: m * e_r].clone(), *(t.clone() for t in routes(plan, m))))
+        (y1, logits1, ids1, w1), (y0, logits0, ids0, w0) = outs
+        assert torch.equal(y1, y0) and torch.equal(ids1, ids0), (name, m)
+        bits = lambda t: t.view(torch.int32)  # noqa: E731 (-0.0 and NaN payloads too)
+        assert torch.equal(bits(logits1), bits(logits0)) and torch.equal(bits(w1), bits(w0)), (name, m)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
