@@ -313,8 +313,9 @@ class MoERoute:
             self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single,
                        tb * cfg.token_tile + warp, tokens, lane, sRing if cfg.cluster else None)
             ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_ARRIVED)  # (its top-k done)
-            if tid == 0 and not cfg.cluster:
-                ptx.st_global_u32(counter, Int32(0))
+            if cutlass.const_expr(not cfg.cluster):
+                if tid == 0:
+                    ptx.st_global_u32(counter, Int32(0))
             if cutlass.const_expr(cfg.slot_blocks):
                 if warp == 0 and lane < mIds.shape[1]:  # token 0's warp: the slot this lane wrote
                     mBlockExpert[lane] = mIds[0, lane]

@@ -198,9 +198,9 @@ SKIP_PADDING_TAIL = True
 # docs/perf.md, forty-eighth session).
 GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}  # 64: see SYNC_BELOW_MEAN
 # The gate/up GEMM finishes the intermediate itself (moe_gemm: one launch fewer) for route blocks up to this many
-# rows, when its grid is short: at most FUSED_INTERMEDIATE_CTAS_PER_SM CTAs an SM (1.25 waves of 8), counting the blocks of
-# the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last one's
-# serial tail, then overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold
+# rows, when its grid is short: at most FUSED_INTERMEDIATE_CTAS_PER_SM CTAs an SM (1.25 waves of 8), counting the
+# blocks of the experts that uniform routing is expected to reach. Every CTA's arrival at the counter, and the last
+# one's serial tail, then overlap the other CTAs' work. H200, E=128 top-8 2048x768 K=4 mcg, layer graph over 4 L2-cold
 # copies, two rounds, y bit-identical, launch -> fused (waves): M=2 38.3 -> 36.9 (1.06), M=3 46.6 -> 44.4 (1.03),
 # M=5 70.0 -> 68.5 (0.82), M=6 76.9 -> 76.1 (0.95), M=7 84.9 -> 80.0 (1.08), M=8 93.4 -> 84.8 (1.21); M=4 59.4 ->
 # 61.0 (1.34, two K splits), M=9 95.1 -> 95.4 (1.33), M=10 98.3 -> 106.6 (1.44), M=12 108.1 -> 113.3 (1.64), M=16
