@@ -356,6 +356,7 @@ class MoEGemm(DecodeGemmKernel):
                             rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
                                                 cfg.resident_order, warp, cfg.warps, lane, route // mIds.shape[1],
                                                 i * main.resident_row_words)
+                    ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 store_partials(mP, acc, acc_groups(main, warp), split, plane * n_col_tiles * 16, col_tile0, tok0,
@@ -364,6 +365,7 @@ class MoEGemm(DecodeGemmKernel):
                 def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
                     rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
                                         cfg.resident_order, warp, cfg.warps, lane)
+                    ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:

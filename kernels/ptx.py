@@ -623,8 +623,9 @@ TRACE_POINTS = 8  # u64 slots a CTA: %globaltimer (ns) at points 0-4, its SM id 
 TRACE_ROUTE, TRACE_GATE_UP, TRACE_DOWN = 0, 1, 2  # regions, one a kernel (one expert group's GEMMs)
 TRACE_REGIONS = 3
 # points: entry, the PDL wait returned (the route: its logits stored), the main loop and partial stores done (the
-# route: the arrival), the arrival (the route: its top-k), the end; the flags: 2 | 1 where the CTA arrived last
-TRACE_ENTRY, TRACE_WAITED, TRACE_LOOP, TRACE_ARRIVED, TRACE_END = range(5)
+# route: the arrival), the arrival (the route: its top-k), the end, and (a GEMM rotating x itself) warp 0's part of
+# that prologue done; the flags: 2 | 1 where the CTA arrived last
+TRACE_ENTRY, TRACE_WAITED, TRACE_LOOP, TRACE_ARRIVED, TRACE_END, TRACE_PROLOGUE = range(6)
 TRACE_LIVE, TRACE_LAST = 2, 1
 
 

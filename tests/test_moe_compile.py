@@ -751,11 +751,13 @@ def test_trace_stamps_only_in_traced_kernels(monkeypatch):
 
     gate_up = gemm_config(4.0, "mcg", 2, 8, intermediate_splits=4, split_halves=True)
     down = gemm_config(4.0, "mcg", 1, 8, weights_before_wait=True)
+    resident = dataclasses.replace(gemm_config(4.0, "mcg", 2, 8), input="float16", resident_k_tiles=32)
     route = MoERouteConfig("softmax_topk", 128, 8)
-    assert not any("%globaltimer" in ptx_of(c) or "%smid" in ptx_of(c) for c in (gate_up, down, route))
+    assert not any("%globaltimer" in ptx_of(c) or "%smid" in ptx_of(c) for c in (gate_up, down, resident, route))
     monkeypatch.setattr(ptx, "TRACE_ADDR", 1 << 40)
-    # gate/up: entry, its wait, the loop, the arrival, the end; down (no fused tail): all but the arrival
-    for config, stamps in ((gate_up, 5), (down, 4), (route, 5)):
+    # gate/up: entry, its wait, the loop, the arrival, the end; down (no fused tail): all but the arrival; a GEMM
+    # rotating x itself (no fused tail): its prologue instead
+    for config, stamps in ((gate_up, 5), (down, 4), (resident, 5), (route, 5)):
         text = ptx_of(config, "sm_90a")
         assert text.count("mov.u64 t, %globaltimer;") == stamps and text.count("mov.u32 s, %smid;") == 1, config
 

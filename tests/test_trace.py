@@ -19,7 +19,7 @@ def made_up() -> np.ndarray:
     cta(ptx.TRACE_ROUTE, 0, 3, False, 0.0, 2.0, 3.0, -1.0, 3.1)  # top-k stamped by an earlier call: before t0
     cta(ptx.TRACE_ROUTE, 1, 4, True, 0.1, 2.2, 3.0, 4.0, 5.0)
     for i, (sm, loop_end) in enumerate([(0, 10.0), (0, 11.0), (1, 12.0), (2, 13.0)]):
-        cta(ptx.TRACE_GATE_UP, i, sm, i == 3, 0.5, 5.5, loop_end, loop_end + 1.0, loop_end + 1.5)
+        cta(ptx.TRACE_GATE_UP, i, sm, i == 3, 0.5, 5.5, loop_end, loop_end + 1.0, loop_end + 1.5, 6.0 + i)
     stamps[ptx.TRACE_GATE_UP, 4, 0] = T0 + 600  # an idle CTA (no flags): not counted
     cta(ptx.TRACE_DOWN, 0, 5, True, 14.0, 16.0, 19.0, 20.0, 22.0)
     return stamps
@@ -54,6 +54,9 @@ def test_report_spreads_points_and_phases():
     assert s["gate/up"]["last loop+P"] == ["13.00"] * 5
     assert s["gate/up"]["d loop"] == ["4.50", "4.50", "6.00", "7.50", "7.50"]
     assert s["gate/up"]["d tail"] == ["0.50"] * 5
+    assert s["gate/up"]["prologue"] == ["6.00", "6.00", "7.50", "9.00", "9.00"]
+    assert s["gate/up"]["d prologue"] == ["0.50", "0.50", "2.00", "3.50", "3.50"]
+    assert s["down"]["prologue"] == ["-"] and s["down"]["d prologue"] == ["-"]  # down stamps none
     # the route's top-k: only the last CTA's stamp is from this call (the other is an earlier call's)
     assert s["route"]["top-k"] == ["4.00"] * 5
     assert s["route"]["entry"] == ["0.00", "0.00", "0.05", "0.10", "0.10"]

@@ -5,12 +5,13 @@
 Kernels compiled inside ``tracing()`` (``kernels.ptx.TRACE_ADDR`` set to a device buffer) have thread 0 of every CTA
 store %globaltimer (ns, one clock for every SM) at the points ``ptx.trace_stamp`` marks: entry, the PDL wait
 returned, the main loop and its partial stores done, the arrival at the fused tail's counter, the end (the route:
-entry, its logits stored, its arrival, its top-k, the end), and its SM id with a "last to arrive" flag. Outside it
-the kernels hold no trace code. The report takes the last of MOE_COPIES L2-cold calls of one graph replay of the
-synthetic Qwen3-30B-A3B-shaped layer (as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry:
-each point's spread over the CTAs that did work (min, p10, median, p90, max), the same for the CTAs that arrived last
-(they run the fused tails), each phase's length a CTA, and the CTAs an SM. One expert group's GEMMs (the regions
-are by kernel). The timer ticks in 32 ns on an H100 / H200.
+entry, its logits stored, its arrival, its top-k, the end; a GEMM that rotates x itself also where warp 0's part of
+that prologue is done), and its SM id with a "last to arrive" flag. Outside it the kernels hold no trace code. The
+report takes the last of MOE_COPIES L2-cold calls of one graph replay of the synthetic Qwen3-30B-A3B-shaped layer
+(as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry: each point's spread over the CTAs that
+did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
+phase's length a CTA, and the CTAs an SM. One expert group's GEMMs (the regions are by kernel). The timer ticks in
+32 ns on an H100 / H200.
 
 What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs (``moe.DOWN_MAX_CTAS_PER_SM``).
 """
@@ -32,8 +33,10 @@ import numpy as np
 from exl3tool.ops import kernel_cache
 
 ROUTE_POINTS = ("entry", "logits", "arrived", "top-k", "end")
-GEMM_POINTS = ("entry", "waited", "loop+P", "arrived", "end")
-PHASES = (("wait", 0, 1), ("loop", 1, 2), ("arrive", 2, 3), ("tail", 3, 4))  # (name, from point, to point)
+GEMM_POINTS = ("entry", "waited", "loop+P", "arrived", "end", "prologue")  # by slot (kernels.ptx.TRACE_*)
+# (name, from slot, to slot): a phase whose slots a CTA did not stamp this call is left out (the prologue's: only
+# the GEMMs that rotate x themselves stamp it)
+PHASES = (("wait", 0, 1), ("prologue", 1, 5), ("loop", 1, 2), ("arrive", 2, 3), ("tail", 3, 4))
 
 
 @contextlib.contextmanager
@@ -101,6 +104,8 @@ def report(stamps: np.ndarray) -> list[str]:
                 # a point a CTA did not reach this call holds 0 or an earlier call's stamp: before t0
                 out.append(f"  {prefix + point:14s}{spread([us(t) for t in rows[:, p] if t >= t0])}")
         for phase, a, b in PHASES:
+            if b >= len(points):
+                continue
             took = [(y - x) / 1000.0 for x, y in zip(live[:, a], live[:, b]) if x >= t0 and y >= x]
             out.append(f"  {'d ' + phase:14s}{spread(took)}")
     return out

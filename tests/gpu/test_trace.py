@@ -36,7 +36,9 @@ def test_trace_follows_the_kernels(layer, m):
         assert (points[:, 1:] >= points[:, :-1]).all()  # each CTA's points in order
     # gate/up waits for the route's grid (at M = 1 directly, else behind the input rotation)
     assert gate_up[:, ptx.TRACE_WAITED].min() >= route[:, ptx.TRACE_END].max()
-    if m == 1:  # down waits for gate/up's grid (its fused tail included)
+    if m == 1:  # gate/up rotates x itself after its wait; down waits for gate/up's grid (its fused tail included)
+        prologue = gate_up[:, ptx.TRACE_PROLOGUE]
+        assert (prologue >= gate_up[:, ptx.TRACE_WAITED]).all() and (prologue <= gate_up[:, ptx.TRACE_LOOP]).all()
         assert down[:, ptx.TRACE_WAITED].min() >= gate_up[:, ptx.TRACE_END].max()
         assert len(gate_up) == 8 * 24 * plan_moe(layer, 1).step(1, False).shape.splits13
     lines = report(stamps)
