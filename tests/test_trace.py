@@ -2,8 +2,10 @@
 the last-to-arrive CTAs apart, each phase's length, the CTAs an SM."""
 
 import numpy as np
+import pytest
+import torch
 
-from exl3tool.bench.trace import live_ctas, report, spread
+from exl3tool.bench.trace import live_ctas, main, report, spread
 from exl3tool.kernels import ptx
 
 T0 = 5_000_000  # ns: the route's first entry
@@ -67,3 +69,12 @@ def test_report_says_when_nothing_was_traced():
     stamps = np.zeros((ptx.TRACE_REGIONS, ptx.TRACE_REGION_CTAS, ptx.TRACE_POINTS), dtype=np.int64)
     assert report(stamps) == ["no traced route CTAs (were the kernels compiled inside tracing()?)"]
     assert spread([]) == "-"
+
+
+def test_the_command_needs_a_gpu(capsys):
+    """Without a CUDA GPU ``python -m exl3tool.bench.trace`` stops with a one-line usage error (exit 2)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit) as stop:
+        main(["1"])
+    assert stop.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
