@@ -458,3 +458,13 @@ def test_route_clusters_where_the_gpu_has_them_and_the_chunks_fit(monkeypatch):
     with pytest.raises(ValueError, match="cluster"):
         MoERouteConfig("softmax_topk", 256, 8, cluster=True)
     assert MoERouteConfig("softmax_topk", 256, 8, expert_tile=32, cluster=True).chunks == 8
+
+
+def test_down_gemm_is_spread_only_where_it_fits_one_wave_at_the_cap():
+    """moe.down_cap: a down grid larger than DOWN_MAX_CTAS_PER_SM a SM on every SM keeps its CTAs unpadded (a wide
+    layer's M=1 down GEMM would otherwise take a second wave); the 30B layer's 768 CTAs fit 6 x 132."""
+    wide = moe(num_experts=256, hidden_p=7168, inter_p=2048)
+    down = moe_ops.step_configs(wide, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    assert down.smem_pad == 0
+    assert moe_ops.down_cap(1, 768, 132) == 6 and moe_ops.down_cap(1, 793, 132) is None
+    assert moe_ops.down_cap(2, 100, 132) is None

@@ -1006,12 +1006,20 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
-        g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, DOWN_MAX_CTAS_PER_SM.get(tokens)))
+        g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks
+                                                                             * s.splits2, sm_count)))
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
         route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
+
+
+def down_cap(tokens: int, ctas: int, sm_count: int) -> int | None:
+    """DOWN_MAX_CTAS_PER_SM's cap for a down grid of ``ctas`` CTAs at ``tokens``, where the grid fits one wave under
+    it (a larger one, e.g. hidden 7168's 1792 CTAs at M=1, would take more waves instead)."""
+    cap = DOWN_MAX_CTAS_PER_SM.get(tokens)
+    return cap if cap and ctas <= cap * sm_count else None
 
 
 def spread_pad(arch: str, smem_bytes: int, ctas: int | None) -> int:
