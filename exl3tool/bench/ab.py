@@ -294,22 +294,30 @@ def _dense(case: Case):
     return _digest(ys[0]), step, len(lins), info
 
 
-def _moe(case: Case, folder: str):
+def moe_step(tokens: int, layers: list) -> tuple[list, object, list]:
+    """(plans, step, ys) of the moe:M case over ``layers`` (DeviceMoE copies): x seeded by M, as in every process
+    and in ``exl3tool.bench.trace``, a plan per layer, and ``step()`` running each layer once on x, its outputs in
+    ``ys``."""
     import torch
 
     from exl3tool.ops import moe
 
-    dev = torch.device("cuda")
-    layers = _moe_layers(folder)
-    g = torch.Generator(device=dev).manual_seed(11 + case.tokens)
-    x = torch.randn(case.tokens, layers[0].hidden, generator=g, device=dev).half()
-    plans = [moe.plan_moe(layer, case.tokens, x.dtype) for layer in layers]
+    g = torch.Generator(device=layers[0].device).manual_seed(11 + tokens)
+    x = torch.randn(tokens, layers[0].hidden, generator=g, device=layers[0].device).half()
+    plans = [moe.plan_moe(layer, tokens, x.dtype) for layer in layers]
     ys = []
 
     def step():
         ys.clear()
         ys.extend(moe.moe_forward(x, p) for p in plans)
 
+    return plans, step, ys
+
+
+def _moe(case: Case, folder: str):
+    import torch
+
+    plans, step, ys = moe_step(case.tokens, _moe_layers(folder))
     step()
     torch.cuda.synchronize()
     return _digest(ys[0]), step, len(plans), f"launches={plans[0].launches(case.tokens)}"

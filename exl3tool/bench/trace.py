@@ -111,23 +111,15 @@ def report(stamps: np.ndarray) -> list[str]:
     return out
 
 
-def trace_layer(tokens: int, layers, device="cuda") -> tuple[float, np.ndarray]:
+def trace_layer(tokens: int, layers) -> tuple[float, np.ndarray]:
     """(us a call, the stamps of the last call) of one graph replay over ``layers`` (DeviceMoE copies) at ``tokens``
-    tokens, planned and compiled traced."""
+    tokens (``exl3tool.bench.ab``'s moe:M case), planned and compiled traced."""
     import torch
 
-    from exl3tool.bench import timing
-    from exl3tool.ops import moe
+    from exl3tool.bench import ab, timing
 
-    g = torch.Generator(device=device).manual_seed(11 + tokens)
-    x = torch.randn(tokens, layers[0].hidden, generator=g, device=device).half()
-    with tracing(device) as stamps:
-        plans = [moe.plan_moe(layer, tokens, x.dtype) for layer in layers]
-
-        def step():
-            for p in plans:
-                moe.moe_forward(x, p)
-
+    with tracing(layers[0].device) as stamps:
+        plans, step, _ = ab.moe_step(tokens, layers)
         step()
         torch.cuda.synchronize()
         graph = timing.capture_graph(step)
