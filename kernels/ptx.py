@@ -619,7 +619,7 @@ def wgmma_m64k16(a, desc, acc, dtype: str, *, loc=None, ip=None):
 # kernels hold no trace code at all.
 TRACE_ADDR = 0
 TRACE_REGION_CTAS = 8192  # CTAs a kernel's region holds; CTAs past it store nothing
-TRACE_POINTS = 8  # u64 slots a CTA: %globaltimer (ns) at points 0-4, its SM id << 8 | flags in the last
+TRACE_POINTS = 8  # u64 slots a CTA: %globaltimer (ns) at points 0-5, its SM id << 8 | flags in the last
 TRACE_ROUTE, TRACE_GATE_UP, TRACE_DOWN = 0, 1, 2  # regions, one a kernel (one expert group's GEMMs)
 TRACE_REGIONS = 3
 # points: entry, the PDL wait returned (the route: its logits stored), the main loop and partial stores done (the
