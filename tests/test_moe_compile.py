@@ -727,12 +727,10 @@ def test_spread_down_gemm_holds_six_ctas_an_sm_and_runs_the_same_code():
     the kernel's own shared memory within moe.STATIC_SMEM_MARGIN, 6 CTAs an SM by its compiled registers and shared
     memory, and the unpadded kernel's instructions, opcode for opcode."""
     from exl3tool import sass
-    from exl3tool.kernels.moe_route import MoERouteConfig
     from exl3tool.ops import targets
     from exl3tool.ops.moe import GroupShape, LayerShape
 
-    layer = LayerShape(MoERouteConfig("softmax_topk", 128, 8, True, 1.0, 1, 1, False, False, "none"), 2048,
-                       (GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
+    layer = LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048, (GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
     down = moe_ops.step_configs(layer, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
     assert down.smem_pad > 0
     kernels = [sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[MoEGemmConfig](c, o), "sm_90a"),
