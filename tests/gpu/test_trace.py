@@ -9,9 +9,10 @@ from exl3tool.bench.trace import live_ctas, report, trace_layer
 from exl3tool.kernels import ptx
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe
 from exl3tool.synthetic import write_checkpoint
+from tests.gpu.test_moe import SYNTHETIC
 
 pytestmark = pytest.mark.gpu
-QWEN3_30B = dict(arch="qwen3_moe", hidden=2048, moe_intermediate=768, num_experts=128, top_k=8, bits=4, codebook="mcg")
+QWEN3_30B, _ = SYNTHETIC["qwen3-30b-shape-k4-mcg"]
 
 
 @pytest.fixture(scope="module")
