@@ -434,8 +434,6 @@ def test_slot_blocks_at_one_token_where_only_the_one_token_gemms_read_the_blocks
     def slot(m, given=False, **layer):
         return moe_ops.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16").route.slot_blocks
 
-    assert not slot(1)  # off until measured on a GPU
-    monkeypatch.setattr(moe_ops, "SLOT_BLOCKS", True)
     assert slot(1) and slot(1, shared="gated")
     assert not slot(1, given=True) and not slot(2) and not slot(8)
     monkeypatch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", 0)  # an input rotation launch, which reads expert_row

@@ -301,14 +301,14 @@ HALF_PARTIALS_MIN_TOKENS = 512
 DOWN_MAX_CTAS_PER_SM = {1: 6}
 STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemmConfig.smem_bytes (static, alignment)
 # At one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks) instead of packing, where
-# the GEMMs rotate x themselves and do the intermediate and the top-k sum (nothing else reads the packing then). Off
-# until measured: built in the sixtieth session after its last GPU call (the trace puts the packing at 0.93 us of
-# M=1's 23.5 on an H100); its GPU test, test_slot_blocks_at_one_token_change_no_bit, has not run yet.
-SLOT_BLOCKS = False
+# the GEMMs rotate x themselves and do the intermediate and the top-k sum (nothing else reads the packing then): the
+# trace put the packing at 0.93 us of M=1's route. H100, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y
+# bit-identical, us: M=1 23.60 -> 22.36 (docs/perf.md, sixty-first session).
+SLOT_BLOCKS = True
 # Up to this many tokens a token block's route CTAs run as one cluster (MoERouteConfig.cluster: the logits into rank
-# 0's shared memory, no arrival counter, no logits read back from L2). Off until measured: built in the sixtieth
-# session after its last GPU call (the trace puts the arrival and the top-k's L2 reads at about 1 us of M=1's route
-# on an H100); its GPU test, test_route_clusters_change_no_bit, has not run yet.
+# 0's shared memory, no arrival counter, no logits read back from L2). Off: it lost. H100, same layer and A/B, us:
+# route kernel M=1 5.98 -> 6.15, M=8 6.55 -> 6.82, M=16 7.81 -> 8.14; the layer M=1 23.60 -> 23.67, M=64 159.38 ->
+# 161.12, M=8 / 16 within the spreads (docs/perf.md, sixty-first session).
 ROUTE_CLUSTER_MAX_TOKENS = 0
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()

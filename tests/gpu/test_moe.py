@@ -16,6 +16,7 @@ from exl3tool.format import MoEBlock
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.ops import moe as moe_ops
+from exl3tool.ops import targets
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
 from exl3tool.synthetic import edit_checkpoint, write_checkpoint
@@ -360,7 +361,7 @@ def test_resident_route_rows_change_no_bit(synthetic, name, ms, rotated, monkeyp
         outs, launches = [], []
         takes = m not in rotated
         for resident in (4, 1):
-            y, _, plan = layer_with(monkeypatch, dmoe, x, {"RESIDENT_INPUT_TOKENS": resident})
+            y, _, plan, _ = layer_with(monkeypatch, dmoe, x, {"RESIDENT_INPUT_TOKENS": resident})
             route_row = plan.route_row[: m * k].long()
             assert torch.equal(plan.row_route[route_row].long(), torch.arange(m * k, device="cuda"))
             with monkeypatch.context() as patch:
@@ -388,7 +389,7 @@ def test_plans_without_warpgroup_mmas_match_the_reference(synthetic, name, m, ro
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
     x = (torch.randn(m, moe.hidden, device="cuda") * 0.1).half()
-    y, made, plan = layer_with(monkeypatch, dmoe, x, {"has_wgmma": lambda arch: False})
+    y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"has_wgmma": lambda arch: False})
     shape = plan.step(m, False).shape
     assert shape.block_rows == rows and shape.ready_counters == (rows == 64) and made
     assert all(c.mma == "sync" for c in made)
@@ -405,14 +406,16 @@ def launched_gemms(plan, m: int, *given: bool) -> list:
 
 
 def layer_with(monkeypatch, dmoe, x, settings: dict):
-    """(y, the GEMM configs planned, plan) of the layer for x with moe's ``settings`` (a fresh, poisoned plan), y
-    checked to be the same on a second call (arrival counters back at zero) and in graph replay; the configs are
-    ``launched_gemms(plan, M, False)``."""
+    """(y, the GEMM configs planned, plan, the step's configs) of the layer for x with moe's ``settings`` (a fresh,
+    poisoned plan), y checked to be the same on a second call (arrival counters back at zero) and in graph replay;
+    the GEMM configs are ``launched_gemms(plan, M, False)``, the step's ``plan.configs(M, False)``, both planned
+    under ``settings`` (the plan plans afresh at each ``configs`` call: after this one, with moe's own settings)."""
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
             patch.setattr(moe_ops, attribute, value)
         plan = plan_moe(dmoe, x.shape[0])
         made = launched_gemms(plan, x.shape[0], False)
+        configs = plan.configs(x.shape[0], False)
         poison(plan)
         y = moe_forward(x, plan).clone()
         poison(plan)
@@ -424,7 +427,7 @@ def layer_with(monkeypatch, dmoe, x, settings: dict):
         graph.replay()
         assert torch.equal(out, y)
     assert not y.isnan().any()
-    return y, made, plan
+    return y, made, plan, configs
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 3)), ("two-groups-k3-k5", (1, 2)),
@@ -439,7 +442,7 @@ def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeyp
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for early in (True, False):
-            y, made, plan = layer_with(monkeypatch, dmoe, x, {"EARLY_DOWN_WEIGHTS": early})
+            y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"EARLY_DOWN_WEIGHTS": early})
             assert plan.step(m, False).shape.fused_intermediate
             downs = [c for c in made if c.planes == 1]
             assert len(downs) == len(dmoe.groups) and all(c.weights_before_wait == early for c in downs)
@@ -461,7 +464,7 @@ def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monk
         outs = []
         for early in (True, False):
             settings = {"EARLY_GATE_UP_WEIGHTS_MIN_TOKENS": m if early else m + 1}
-            y, made, _ = layer_with(monkeypatch, dmoe, x, settings)
+            y, made, _, _ = layer_with(monkeypatch, dmoe, x, settings)
             gate_ups = [c for c in made if c.planes == 2]
             assert len(gate_ups) == len(dmoe.groups) and all(c.weights_before_wait == early for c in gate_ups)
             assert all(c.mma == "sync" for c in gate_ups)
@@ -485,7 +488,7 @@ def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs, launches = [], []  # the planned step's launches (plan.launches reads the module's settings)
         for ready in (True, False):
-            y, made, plan = layer_with(monkeypatch, dmoe, x, {"READY_COUNTERS_MIN_TOKENS": m if ready else m + 1})
+            y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"READY_COUNTERS_MIN_TOKENS": m if ready else m + 1})
             torch.cuda.synchronize()
             assert not any(arena.any() for arena in counters._arenas.values()), (name, m)
             shape = plan.step(m, False).shape
@@ -514,7 +517,7 @@ def test_eight_warp_small_blocks_change_no_bit(synthetic, name, ms, monkeypatch)
         outs, splits = [], []
         for eight in (True, False):
             settings = {"EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS": m + (not eight)}
-            y, made, plan = layer_with(monkeypatch, dmoe, x, settings)
+            y, made, plan, _ = layer_with(monkeypatch, dmoe, x, settings)
             shape = plan.step(m, False).shape
             assert {c.warps for c in made} == {8 if eight else 4}, (name, m)
             outs.append(y)
@@ -536,7 +539,7 @@ def test_eight_warp_small_blocks_at_their_own_splits(synthetic, name, monkeypatc
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     outs, splits = [], []
     for tokens in ((4,), ()):
-        y, made, plan = layer_with(monkeypatch, dmoe, x, {"EIGHT_WARP_SMALL_BLOCK_TOKENS": tokens})
+        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"EIGHT_WARP_SMALL_BLOCK_TOKENS": tokens})
         shape = plan.step(m, False).shape
         assert shape.block_rows == 8 and {c.warps for c in made} == {8 if tokens else 4}, name
         outs.append(y)
@@ -560,31 +563,36 @@ def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
     bounds = {32: {(32, 2): 4}, 16: {(16, 2): 6, (16, 1): 6}, 8: {(8, 2): 6, (8, 1): 6}}[rows]
     outs = []
     for on in (True, False):
-        y, made, _ = layer_with(monkeypatch, dmoe, x, {"MIN_CTAS_PER_SM": bounds if on else {}})
+        y, made, _, _ = layer_with(monkeypatch, dmoe, x, {"MIN_CTAS_PER_SM": bounds if on else {}})
         assert [c.min_ctas_per_sm for c in made] == [bounds.get((rows, c.planes), 0) if on else 0 for c in made]
         outs.append(y)
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 2)), ("two-groups-k3-k5", (1,)),
-                                     ("k3.5-mul1-shared-gated", (1,))])
-def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, ms, monkeypatch):
-    """moe.DOWN_MAX_CTAS_PER_SM: the down GEMM's CTAs hold shared memory they never touch (MoEGemmConfig.smem_pad),
-    so fewer fit an SM: the same code and arithmetic, so y is bit-identical, eagerly (twice) and in graph replay, and
-    within MAX_REL of the reference."""
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
+def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, monkeypatch):
+    """moe.DOWN_MAX_CTAS_PER_SM at M=1, where each layer's down grid fits one wave at 6 CTAs an SM (moe.down_cap):
+    the down GEMM's CTAs hold shared memory they never touch (MoEGemmConfig.smem_pad), so that at most 6 fit an SM
+    (the 30B layer's needs a pad for it); the same code and arithmetic, so y is bit-identical, eagerly (twice) and
+    in graph replay, and within MAX_REL of the reference."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
-    for m in ms:
-        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-        outs = []
-        for spread in ({m: 4}, {}):
-            y, made, plan = layer_with(monkeypatch, dmoe, x, {"DOWN_MAX_CTAS_PER_SM": spread})
-            assert [c.smem_pad > 0 for c in made] == [bool(spread) and c.planes == 1 for c in made]
-            outs.append(y)
-        assert torch.equal(outs[0], outs[1]), (name, m)
-        ids, weights = (t.clone() for t in routes(plan, m))
-        assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for cap in (6, None):
+        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"DOWN_MAX_CTAS_PER_SM": {1: cap} if cap else {}})
+        downs = [c for c in made if c.planes == 1]
+        assert downs and all(c.smem_pad == 0 for c in made if c.planes == 2)
+        if cap:
+            assert all(targets.resident_ctas(plan.arch, 32 * c.warps, c.smem_bytes, 32) <= cap for c in downs)
+            assert name != "qwen3-30b-shape-k4-mcg" or all(c.smem_pad > 0 for c in downs)
+        else:
+            assert all(c.smem_pad == 0 for c in downs)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), name
+    ids, weights = (t.clone() for t in routes(plan, 1))
+    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 8, 16, 64)), ("two-groups-k3-k5", (2, 40)),
@@ -599,8 +607,8 @@ def test_route_clusters_change_no_bit(synthetic, name, ms, monkeypatch):
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for on in (True, False):
-            y, _, plan = layer_with(monkeypatch, dmoe, x, {"ROUTE_CLUSTER_MAX_TOKENS": 64 if on else 0})
-            assert plan.configs(m, False).route.cluster == on, (name, m)
+            y, _, plan, configs = layer_with(monkeypatch, dmoe, x, {"ROUTE_CLUSTER_MAX_TOKENS": 64 if on else 0})
+            assert configs.route.cluster == on, (name, m)
             assert not plan.counters.any()
             e_r = dmoe.route.router_rows
             outs.append((y, plan.logits[: m * e_r].clone(), *(t.clone() for t in routes(plan, m))))
@@ -621,8 +629,8 @@ def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
     outs = []
     for on in (True, False):
-        y, _, plan = layer_with(monkeypatch, dmoe, x, {"SLOT_BLOCKS": on})
-        assert plan.configs(1, False).route.slot_blocks == on
+        y, _, plan, configs = layer_with(monkeypatch, dmoe, x, {"SLOT_BLOCKS": on})
+        assert configs.route.slot_blocks == on
         ids = routes(plan, 1)[0].view(-1)
         blocks = plan.block_expert[: ids.numel()]
         assert torch.equal(blocks, ids if on else ids.sort().values)
@@ -644,7 +652,7 @@ def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypa
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     outs = []
     for on in (True, False):
-        y, made, plan = layer_with(monkeypatch, dmoe, x, {"GATE_UP_FRAGMENT_ORDER_ROWS": (16,) if on else ()})
+        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"GATE_UP_FRAGMENT_ORDER_ROWS": (16,) if on else ()})
         assert plan.step(m, False).shape.block_rows == 16
         assert [c.x_order for c in made] == [("fragments" if on and c.planes == 2 else "rows") for c in made]
         outs.append(y)
@@ -670,7 +678,7 @@ def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, n
         outs = []
         for on in (True, False):
             settings = {"EARLY_ROUTE_NEXT_TOKENS": 16 if on else 0, "CONTIGUOUS_GROUP_ROWS": on}
-            y, made, _ = layer_with(monkeypatch, dmoe, x, settings)
+            y, made, _, _ = layer_with(monkeypatch, dmoe, x, settings)
             assert {c.group_first for c in made} == (firsts if on else {-1})
             outs.append(y)
         assert torch.equal(outs[0], outs[1]), (name, m)
@@ -691,7 +699,7 @@ def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, mon
         for on in (True, False):
             # 4 warps at M = 4 (not moe.EIGHT_WARP_SMALL_BLOCK_TOKENS' 8): gate/up splits K, down runs all of it
             settings = {"UNSPLIT_SYNC_PIPELINES": three if on else {}, "EIGHT_WARP_SMALL_BLOCK_TOKENS": ()}
-            y, made, plan = layer_with(monkeypatch, dmoe, x, settings)
+            y, made, plan, _ = layer_with(monkeypatch, dmoe, x, settings)
             shape = plan.step(m, False).shape
             splits = {2: shape.splits13, 1: shape.splits2}  # by planes: gate/up, down
             assert shape.block_rows == 8 and 1 in splits.values()  # some GEMM here runs its whole K
@@ -710,7 +718,7 @@ def test_sixteen_k_tile_stages_change_no_bit(synthetic, m, monkeypatch):
     arch = moe_ops.target_arch(torch.device("cuda")).rstrip("af")
     outs = []
     for pipeline in (dict(stages=2, k_tiles_per_stage=16), dict(stages=3)):
-        y, made, plan = layer_with(monkeypatch, dmoe, x, {"UNSPLIT_SYNC_PIPELINES": {arch: {(8, 8): (pipeline,)}}})
+        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"UNSPLIT_SYNC_PIPELINES": {arch: {(8, 8): (pipeline,)}}})
         shape = plan.step(m, False).shape
         assert (shape.block_rows, shape.splits13, shape.splits2) == (8, 1, 1)
         assert [(c.warps, c.stages, c.k_tiles_per_stage) for c in made] == [
@@ -991,7 +999,7 @@ def test_half_partials_stay_as_close_to_the_reference(synthetic, name, m, monkey
     for half in (True, False):
         with monkeypatch.context() as patch:  # plan.configs plans anew: under the same setting as the launches
             patch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1 if half else m + 1)
-            y, _, plan = layer_with(monkeypatch, dmoe, x, {})
+            y, _, plan, _ = layer_with(monkeypatch, dmoe, x, {})
             c = plan.configs(m, False)
         launched = launched_partials(c)
         assert [partials for _, partials, _ in launched] == [
