@@ -266,6 +266,7 @@ def decode_mma_loop(
     mma_groups: cutlass.Constexpr = None,
     wait: cutlass.Constexpr = None,
     group_loops: cutlass.Constexpr = None,
+    prologue_loads: cutlass.Constexpr = None,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
@@ -277,8 +278,11 @@ def decode_mma_loop(
     their X copies (the caller vouches that the weights and ``gW_addr`` need no output of the kernel before).
     ``group_loops`` (mma.sync with private decode): ``(count, counts)``; ``count()``, called after that wait, gives
     the token groups that hold routes (1 .. token_groups, at run time), and the main loop is compiled once for each
-    of the ascending group ``counts`` (the last: token_groups) and run for the first that covers it."""
+    of the ascending group ``counts`` (the last: token_groups) and run for the first that covers it.
+    ``prologue_loads`` (with ``prologue``): called before any weight copy is issued, its result passed on as
+    ``prologue(sX, loaded)``: the prologue's loads then go out ahead of the weight stages."""
     threads = 32 * cfg.warps
+    loaded = prologue_loads() if cutlass.const_expr(prologue_loads is not None) else None
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
     lane = tid % 32
@@ -314,7 +318,9 @@ def decode_mma_loop(
         if st < n_chunks:
             issue_stage(copies_ahead, st, st)
         cute.arch.cp_async_commit_group()
-    if cutlass.const_expr(prologue is not None):
+    if cutlass.const_expr(prologue_loads is not None):
+        prologue(sX, loaded)  # as below, its loads already on their way
+    elif cutlass.const_expr(prologue is not None):
         prologue(sX)  # while the first stages load; the main loop's first barrier publishes what it wrote
 
     word_idx, shift = lane_word_indices(plan, lane)

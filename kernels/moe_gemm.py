@@ -72,7 +72,7 @@ from .moe_rotate import (
     intermediate_row,
     topk_sum_block,
 )
-from .rotate import rotate_into_shared
+from .rotate import rotate_into_shared, rotate_loaded_into_shared, rotation_loads
 
 
 def fuses_intermediate(rows: int, warps: int, warp_cols: int) -> bool:
@@ -134,6 +134,10 @@ class MoEGemmConfig:
     # expert, or the shared expert's), so a block's row in the group is its expert minus this, with no group_row
     # lookup between the block's expert and its first weight copies.
     group_first: int = -1
+    # With ``input`` at one row: the prologue's loads of x and suh go out before the CTA's weight copies
+    # (``rotation_loads``), not behind them: in the trace that prologue ended 1.1-6.5 us (median 2.0) after the PDL
+    # wait at M=1, an L2 prefetch of its suh lines changed nothing, and the loop after it is issue-bound.
+    early_prologue_loads: bool = False
     rolled: bool = False  # wgmma: one stage a main-loop iteration (GemmConfig.rolled)
     # Block-ready counters instead of the grid-wide PDL wait between gate/up and down (mma.sync route blocks):
     # gate/up with the fused intermediate lets the down GEMM launch as each CTA starts and counts each
@@ -176,6 +180,8 @@ class MoEGemmConfig:
             raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
         if self.mma == "wgmma" and (self.input is not None or self.topk_sum is not None):
             raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
+        if self.early_prologue_loads and (self.input is None or self.resident_rows != 1):
+            raise ValueError("early_prologue_loads is for the gate/up GEMM that rotates one row of x itself")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
         if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):
@@ -362,12 +368,27 @@ class MoEGemm(DecodeGemmKernel):
                 store_partials(mP, acc, acc_groups(main, warp), split, plane * n_col_tiles * 16, col_tile0, tok0,
                                lane)
             elif cutlass.const_expr(cfg.input is not None):
-                def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
-                    rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
-                                        cfg.resident_order, warp, cfg.warps, lane)
-                    ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
-                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
-                                col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
+                if cutlass.const_expr(cfg.early_prologue_loads):
+                    gate = plane == 0
+                    suh = cutlass.select_(gate, mGateSuh.iterator.toint(), mUpSuh.iterator.toint())
+                    suh_width = cutlass.select_(gate, mGateSuh.shape[1], mUpSuh.shape[1])
+                    # the token's x and this expert's suh before any weight copy (a lambda: the DSL rewrites returns)
+                    loads = lambda: rotation_loads(mX, suh, suh_width, p, k_begin, n_blocks, rounds,  # noqa: E731
+                                                   warp, cfg.warps, lane)
+
+                    def prologue(sX, loaded):  # noqa: E306 (rotated while W loads)
+                        rotate_loaded_into_shared(loaded, mX, sX, n_blocks, cfg.resident_order, warp, cfg.warps,
+                                                  lane)
+                        ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
+                    decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
+                                    col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue, prologue_loads=loads)
+                else:
+                    def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
+                        rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
+                                            cfg.resident_order, warp, cfg.warps, lane)
+                        ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
+                    decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
+                                    col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:
                     if mIds[0, tid] == expert:  # this block's one route: slot tid of token 0
                         mRouteRow[tid] = tok0

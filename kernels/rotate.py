@@ -215,7 +215,60 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
     last = cutlass.max(n_blocks - 1, 0)
     scaled = [scaled_values(mX, mSuh, x_row, k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
                             4, suh_row if suh_matrix else None) for r in range(rounds)]
+    rotate_scaled_into_shared(scaled, sX, n_blocks, x_order, warp, warps, lane, s_word0)
+
+
+@cute.jit
+def rotation_loads(mX: cute.Tensor, suh_matrix_addr: Int64, suh_width: Int32, suh_row: Int32, k_begin: Int32,
+                   n_blocks: Int32, rounds: cutlass.Constexpr, warp: Int32, warps: cutlass.Constexpr, lane: Int32):
+    """``rotate_into_shared``'s loads of x's row 0 and of row ``suh_row`` of an fp16 suh matrix (``[rows,
+    suh_width]``, contiguous, 8-byte aligned, at ``suh_matrix_addr``) without using them: no branch and no conversion,
+    so that a caller can issue them before its weight copies and finish with ``rotate_loaded_into_shared``. A lane's
+    4 columns of x come by one 8-byte load where they lie inside the row and aligned (else from an aligned address
+    inside the tensor, ignored: the scalar path reloads them). Per round: (suh words, x words, vector, column)."""
+    last = cutlass.max(n_blocks - 1, 0)
+    width = mX.shape[1]
+    x_base = mX.iterator.toint()
+    out = []
     for r in cutlass.range_constexpr(rounds):
+        col0 = k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane
+        suh = ptx.ld_global_v2_b32(suh_matrix_addr + (Int64(suh_row) * suh_width + col0) * 2)
+        addr = x_base + Int64(col0) * 2
+        vector = (col0 + 4 <= width) & ((addr & 7) == 0)
+        out.append((suh, ptx.ld_global_v2_b32(cutlass.select_(vector, addr, x_base & Int64(-8))), vector, col0))
+    return out
+
+
+@cute.jit
+def rotate_loaded_into_shared(loads, mX: cute.Tensor, sX: cute.Tensor, n_blocks: Int32, x_order: cutlass.Constexpr,
+                              warp: Int32, warps: cutlass.Constexpr, lane: Int32):
+    """``rotate_into_shared`` of x's row 0 from ``rotation_loads``' words: the same values and butterflies, so the
+    same bits (x's columns outside one aligned 8-byte load of the row: ``row_values``' scalar loads now)."""
+    dtype = DTYPE_NAMES[mX.element_type]
+    width = mX.shape[1]
+    scaled = []
+    for r in cutlass.range_constexpr(len(loads)):
+        suh_words, x_words, vector, col0 = loads[r]
+        suh = ptx.words_to_f32(suh_words[0], suh_words[1], "float16")
+        v = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        if vector:
+            f = ptx.words_to_f32(x_words[0], x_words[1], dtype)
+            for i in cutlass.range_constexpr(4):
+                v[i] = f[i]
+        else:
+            x = row_values(mX, Int32(0), col0, 4, dtype)
+            for i in cutlass.range_constexpr(4):
+                v[i] = x[i]
+        scaled.append([cutlass.select_(col0 + i < width, v[i] * suh[i], Float32(0.0)) for i in range(4)])
+    rotate_scaled_into_shared(scaled, sX, n_blocks, x_order, warp, warps, lane, Int32(0))
+
+
+@cute.jit
+def rotate_scaled_into_shared(scaled, sX: cute.Tensor, n_blocks: Int32, x_order: cutlass.Constexpr, warp: Int32,
+                              warps: cutlass.Constexpr, lane: Int32, s_word0: Int32):
+    """The butterflies of each round's scaled values (``scaled_values``) and their stores into ``sX`` (as
+    ``rotate_into_shared``)."""
+    for r in cutlass.range_constexpr(len(scaled)):
         v = hadamard128(scaled[r], lane)
         b = warp + r * warps
         if b < n_blocks:

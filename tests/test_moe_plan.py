@@ -466,3 +466,15 @@ def test_down_gemm_is_spread_only_where_it_fits_one_wave_at_the_cap():
     assert down.smem_pad == 0
     assert moe_ops.down_cap(1, 768, 132) == 6 and moe_ops.down_cap(1, 793, 132) is None
     assert moe_ops.down_cap(2, 100, 132) is None
+
+
+def test_early_prologue_loads_at_one_token(monkeypatch):
+    """moe.EARLY_PROLOGUE_LOADS: the gate/up GEMM that rotates x itself issues its prologue's loads first
+    (MoEGemmConfig.early_prologue_loads) at M = 1 only (from two tokens it rotates several rows)."""
+    def early(m):
+        c = moe_ops.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16").groups[0].gate_up
+        return c.input is not None, c.early_prologue_loads
+
+    assert early(1) == (True, True) and early(2) == (True, False) and early(16)[1] is False
+    monkeypatch.setattr(moe_ops, "EARLY_PROLOGUE_LOADS", False)
+    assert early(1) == (True, False)

@@ -310,6 +310,12 @@ SLOT_BLOCKS = True
 # route kernel M=1 5.98 -> 6.15, M=8 6.55 -> 6.82, M=16 7.81 -> 8.14; the layer M=1 23.60 -> 23.67, M=64 159.38 ->
 # 161.12, M=8 / 16 within the spreads (docs/perf.md, sixty-first session).
 ROUTE_CLUSTER_MAX_TOKENS = 0
+# At one token the gate/up GEMM that rotates x itself issues its prologue's loads of x and suh before its weight
+# copies (MoEGemmConfig.early_prologue_loads): the trace put that prologue's end 1.1-6.5 us after the PDL wait at M=1
+# (median 2.0; 3.9 on the CTAs that arrive last), while the loop after it is issue-bound; an L2 prefetch of the suh
+# lines lost (M=1 22.34 -> 22.77). H100, E=128 top-8 2048x768 K=4 mcg, layer graph, two rounds, y bit-identical, us:
+# M=1 22.28 -> 21.99 (spreads 0.02) (docs/perf.md, sixty-first session).
+EARLY_PROLOGUE_LOADS = True
 # Stand-ins in a planned launch's arguments for the call's own x and y.
 X_ARG, Y_ARG = object(), object()
 
@@ -606,7 +612,8 @@ def resident_config(g13: MoEGemmConfig, x_dtype: str, per13: int, tokens: int) -
     if not g13.mainloop.takes_input(per13):
         return None
     try:
-        return replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens)
+        return replace(g13, input=x_dtype, resident_k_tiles=per13, resident_rows=tokens,
+                       early_prologue_loads=EARLY_PROLOGUE_LOADS and tokens == 1)
     except SharedMemoryError:
         return None
 

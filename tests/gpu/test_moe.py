@@ -618,6 +618,27 @@ def test_route_clusters_change_no_bit(synthetic, name, ms, monkeypatch):
         assert torch.equal(bits(logits1), bits(logits0)) and torch.equal(bits(w1), bits(w0)), (name, m)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated",
+                                  "gpt-oss-biased-swiglu"])
+def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
+    """moe.EARLY_PROLOGUE_LOADS: at one token the gate/up GEMM issues its prologue's loads of x and suh before its
+    weight copies (MoEGemmConfig.early_prologue_loads): the same values, so y is bit-identical, eagerly (twice) and
+    in graph replay, and within MAX_REL of the reference (gpt-oss's 576 pads to 640: lanes past x's width take the
+    scalar path, zeros)."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for on in (True, False):
+        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"EARLY_PROLOGUE_LOADS": on})
+        assert [c.early_prologue_loads for c in made if c.planes == 2] == [on] * len(dmoe.groups), name
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), name
+    ids, weights = (t.clone() for t in routes(plan, 1))
+    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
