@@ -69,7 +69,6 @@ METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
 NO_ID = 0x7FFFFFFF
 NEG_INF_KEY = 0x007FFFFF  # ptx.order_key(-inf)
-CLUSTER_MAX_CHUNKS = 8  # the portable cluster size
 
 
 @dataclass(frozen=True)
@@ -92,11 +91,6 @@ class MoERouteConfig:
     # prefix sum and CTA barriers: 0.93 us of the route's 5.1 at M=1 on an H100, exl3tool.bench.trace). Only the
     # one-token GEMMs read the blocks then, by expert (moe_gemm's prologue), never expert_row nor padding rows.
     slot_blocks: bool = False
-    # A token block's CTAs as one cluster (SM90 and newer; at most CLUSTER_MAX_CHUNKS chunks of router rows): once
-    # every CTA has summed its tile (a cluster barrier: their rings are free), each stores its logits into rank 0's
-    # rings (st.shared::cluster), and after a second barrier rank 0 takes the top-k from there: no arrival counter's
-    # atomic round trip, no logits read back from L2 (the global logits are written as well).
-    cluster: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -113,10 +107,6 @@ class MoERouteConfig:
             raise ValueError("expert_tile must be 16 or 32, token_tile 8, 16 or 32")
         if self.slot_blocks and self.method == "given":
             raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
-        if self.cluster and (self.chunks > CLUSTER_MAX_CHUNKS
-                             or 4 * self.token_tile * self.router_rows > WARPS * self.ring_bytes):
-            raise ValueError(f"a cluster takes at most {CLUSTER_MAX_CHUNKS} chunks of router rows, whose logits "
-                             "fit rank 0's rings")
 
     @property
     def chunks(self) -> int:
@@ -262,8 +252,7 @@ class MoERoute:
                 (mX.shape[0] + self.cfg.token_tile - 1) // self.cfg.token_tile, 1)
         self.kernel(mX, mRouter, mBias, mGivenIds, mGivenW, mLogits, mIds, mW, mRank, mCounters, mCounts,
                     mExpertRow, mBlockExpert, mRowRoute, block_rows).launch(
-            grid=grid, block=(THREADS, 1, 1), stream=stream, **ptx.pdl_launch(),
-            **(dict(cluster=[self.cfg.chunks, 1, 1]) if self.cfg.cluster else {}))
+            grid=grid, block=(THREADS, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRouter: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor,
@@ -302,20 +291,14 @@ class MoERoute:
         # --- the last CTA of this token block: top-k of its tokens ----------------------------------------
         counter = mCounters.iterator.toint() + Int64(tb) * 4
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_WAITED)  # (its logits stored)
-        if cutlass.const_expr(cfg.cluster):
-            sFlag[0] = cutlass.select_(chunk == 0, Int32(1), Int32(0))  # rank 0 takes the top-k
-            if chunk == 0:
-                cute.arch.cluster_wait()  # every CTA's logits are in its rings
-        else:
-            ptx.count_in(counter, n_chunks, sFlag, 0, tid)
+        ptx.count_in(counter, n_chunks, sFlag, 0, tid)
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_LOOP)  # (arrived)
         if sFlag[0] != 0:
             self.top_k(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounts, sCount, single,
-                       tb * cfg.token_tile + warp, tokens, lane, sRing if cfg.cluster else None)
+                       tb * cfg.token_tile + warp, tokens, lane)
             ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_ARRIVED)  # (its top-k done)
-            if cutlass.const_expr(not cfg.cluster):
-                if tid == 0:
-                    ptx.st_global_u32(counter, Int32(0))
+            if tid == 0:
+                ptx.st_global_u32(counter, Int32(0))
             if cutlass.const_expr(cfg.slot_blocks):
                 if warp == 0 and lane < mIds.shape[1]:  # token 0's warp: the slot this lane wrote
                     mBlockExpert[lane] = mIds[0, lane]
@@ -424,29 +407,11 @@ class MoERoute:
         for i in cutlass.range_constexpr(tile):
             sRing[warp * ring_words + i * 32 + lane] = acc[i]
         cute.arch.sync_threads()
-        if cutlass.const_expr(not cfg.cluster):
-            for idx in cutlass.range(tid, tile * 32, THREADS):
-                total = self.tile_sum(sRing, idx, ring_words)
-                expert, tok = self.tile_place(idx, e0, t0)
-                if expert < rows and tok < tokens:
-                    mLogits[tok, expert] = total
-        else:
-            # this thread's sums (at most a few), kept over the barrier after which rank 0's rings take them
-            placed = []
-            for j in cutlass.range_constexpr(-(-tile * 32 // THREADS)):
-                idx = cutlass.min(tid + j * THREADS, tile * 32 - 1)
-                total = self.tile_sum(sRing, idx, ring_words)
-                expert, tok = self.tile_place(idx, e0, t0)
-                ok = (tid + j * THREADS < tile * 32) & (expert < rows) & (tok < tokens)
-                if ok:
-                    mLogits[tok, expert] = total
-                placed.append((total, (tok - t0) * rows + expert, ok))
-            cute.arch.cluster_arrive()  # this CTA has read its rings
-            cute.arch.cluster_wait()  # so has every CTA of the cluster: rank 0's rings are free
-            for total, at, ok in placed:
-                if ok:
-                    ptx.st_cluster_f32(sRing.iterator.toint() + at * 4, Int32(0), total)
-            cute.arch.cluster_arrive()  # release: rank 0 waits for every CTA's stores (the kernel's top-k CTA)
+        for idx in cutlass.range(tid, tile * 32, THREADS):
+            total = self.tile_sum(sRing, idx, ring_words)
+            expert, tok = self.tile_place(idx, e0, t0)
+            if expert < rows and tok < tokens:
+                mLogits[tok, expert] = total
 
     @cute.jit
     def tile_sum(self, sRing: cute.Tensor, idx: Int32, ring_words: cutlass.Constexpr) -> Float32:
@@ -493,23 +458,15 @@ class MoERoute:
     @cute.jit
     def top_k(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
               mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounts: cute.Tensor, sCount: cute.Tensor,
-              single, first: Int32, tokens: Int32, lane: Int32, sLogits=None):
+              single, first: Int32, tokens: Int32, lane: Int32):
         """One warp: the routes of tokens ``first, first + 8, ..`` of the token block (every loop here is unrolled
         at compile time). All their loads first, then each token's selection (independent chains, whose latencies
         overlap), then the stores; lane j writes slot j and takes the route's rank inside its expert from the
-        counts in shared memory when ``single`` (one token block), else from the global ones. The logits come from
-        L2, or with ``sLogits`` (a cluster's rank 0: its rings) from shared memory, ``[token_tile, router rows]``."""
+        counts in shared memory when ``single`` (one token block), else from the global ones."""
         cfg = self.cfg
         n, k = cfg.num_experts, cfg.top_k
         toks = [first + WARPS * u for u in range((cfg.token_tile + WARPS - 1) // WARPS)]
-        if cutlass.const_expr(sLogits is None):
-            rows = [mLogits.iterator.toint() + Int64(cutlass.min(t, tokens - 1)) * mLogits.shape[1] * 4
-                    for t in toks]
-            logit_at = lambda row, e: ld_cg_f32(row + e * 4)  # noqa: E731
-        else:
-            t0 = first - first % cfg.token_tile
-            rows = [(cutlass.min(t, tokens - 1) - t0) * cfg.router_rows for t in toks]
-            logit_at = lambda row, e: sLogits[row + e]  # noqa: E731
+        rows = [mLogits.iterator.toint() + Int64(cutlass.min(t, tokens - 1)) * mLogits.shape[1] * 4 for t in toks]
         expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
         valid = [x < n for x in expert]
         chosen = []  # per token: (ids, weights) of its k routes, in every lane
@@ -517,7 +474,7 @@ class MoERoute:
             given = [cutlass.min(t, tokens - 1) for t in toks]
             chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)]) for t in given]
         else:
-            logits = [[cutlass.select_(valid[i], logit_at(row, cutlass.min(expert[i], n - 1)), Float32(NEG_INF))
+            logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
                        for i in range(self.per_lane)] for row in rows]
             bias = [Float32(0.0)] * self.per_lane
             if cutlass.const_expr(cfg.correction_bias or cfg.logit_bias):
@@ -548,7 +505,7 @@ class MoERoute:
                     chosen.append((ids, self.normalized(weights, total, lane)))
         gates = [Float32(1.0)] * len(toks)
         if cutlass.const_expr(cfg.shared == "gated"):
-            gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit_at(row, n))) for row in rows]
+            gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4))) for row in rows]
         routes = mIds.shape[1]
         for u in cutlass.range_constexpr(len(toks)):
             tok = toks[u]

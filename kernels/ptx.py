@@ -402,16 +402,6 @@ def _asm_i32_addr(gmem_addr, value, text, *, loc=None, ip=None) -> Int32:
     )
 
 
-@dsl_user_op
-def st_cluster_f32(smem_addr, rank, value, *, loc=None, ip=None) -> None:
-    """Store ``value`` at this CTA's shared address ``smem_addr`` in CTA ``rank`` of its cluster (mapa +
-    st.shared::cluster)."""
-    values = [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-              Float32(value).ir_value(loc=loc, ip=ip)]
-    _asm_void(values, "{ .reg .u32 r; mapa.shared::cluster.u32 r, $0, $1; st.shared::cluster.f32 [r], $2; }",
-              "r,r,f", loc=loc, ip=ip)
-
-
 # --- grid-level steps built from the instructions above ---------------------------------------------------------
 
 

@@ -772,18 +772,6 @@ def test_route_with_slot_blocks_skips_the_packing():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
-def test_route_as_a_cluster_exchanges_logits_in_shared_memory(arch):
-    """MoERouteConfig.cluster: the route kernel compiles for SM90 and SM120 with cluster barriers and stores into
-    rank 0's shared memory (mapa, st.shared::cluster), and one arrival atomic fewer (only the packing's, between
-    token blocks, is left)."""
-    plain = MoERouteConfig("softmax_topk", 128, 8, early_next=True)
-    text, base = ptx_of(dataclasses.replace(plain, cluster=True), arch), ptx_of(plain, arch)
-    assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text and "barrier.cluster" not in base
-    assert "st.shared::cluster.f32" in text and "mapa.shared::cluster" in text
-    assert text.count(ARRIVAL) == base.count(ARRIVAL) - 1 >= 1
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     """MoEGemmConfig.early_prologue_loads (the gate/up GEMM that rotates one row of x itself): the prologue's 8-byte
     loads of suh and x come before the CTA's first weight copy (LDGSTS), not after its stages as without it; the

@@ -442,22 +442,6 @@ def test_slot_blocks_at_one_token_where_only_the_one_token_gemms_read_the_blocks
         MoERouteConfig("given", 128, 8, slot_blocks=True)
 
 
-def test_route_clusters_where_the_gpu_has_them_and_the_chunks_fit(monkeypatch):
-    """moe.ROUTE_CLUSTER_MAX_TOKENS (off): up to it a token block's route CTAs form one cluster on SM90 / SM120 (not
-    SM80, not the arch-free plan), where the router rows come in at most 8 chunks (E=256 at 16-row tiles: 16)."""
-    def cluster(m, arch="sm_90a", **layer):
-        return moe_ops.step_configs(moe(**layer), m, False, arch, 132, "float16", "float16").route.cluster
-
-    assert not cluster(1)
-    monkeypatch.setattr(moe_ops, "ROUTE_CLUSTER_MAX_TOKENS", 64)
-    assert cluster(1) and cluster(64) and cluster(16, "sm_120a") and not cluster(65)
-    assert not cluster(1, "sm_80") and not cluster(1, num_experts=256)
-    assert not cluster(50, shared="gated")  # the gate's row makes 129: 9 chunks of 16
-    with pytest.raises(ValueError, match="cluster"):
-        MoERouteConfig("softmax_topk", 256, 8, cluster=True)
-    assert MoERouteConfig("softmax_topk", 256, 8, expert_tile=32, cluster=True).chunks == 8
-
-
 def test_down_gemm_is_spread_only_where_it_fits_one_wave_at_the_cap():
     """moe.down_cap: a down grid larger than DOWN_MAX_CTAS_PER_SM a SM on every SM keeps its CTAs unpadded (a wide
     layer's M=1 down GEMM would otherwise take a second wave); the 30B layer's 768 CTAs fit 6 x 132."""

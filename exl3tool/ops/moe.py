@@ -305,11 +305,6 @@ STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemm
 # trace put the packing at 0.93 us of M=1's route. H100, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y
 # bit-identical, us: M=1 23.60 -> 22.36 (docs/perf.md, sixty-first session).
 SLOT_BLOCKS = True
-# Up to this many tokens a token block's route CTAs run as one cluster (MoERouteConfig.cluster: the logits into rank
-# 0's shared memory, no arrival counter, no logits read back from L2). Off: it lost. H100, same layer and A/B, us:
-# route kernel M=1 5.98 -> 6.15, M=8 6.55 -> 6.82, M=16 7.81 -> 8.14; the layer M=1 23.60 -> 23.67, M=64 159.38 ->
-# 161.12, M=8 / 16 within the spreads (docs/perf.md, sixty-first session).
-ROUTE_CLUSTER_MAX_TOKENS = 0
 # At one token the gate/up GEMM that rotates x itself issues its prologue's loads of x and suh before its weight
 # copies (MoEGemmConfig.early_prologue_loads): the trace put that prologue's end 1.1-6.5 us after the PDL wait at M=1
 # (median 2.0; 3.9 on the CTAs that arrive last), while the loop after it is issue-bound; an L2 prefetch of the suh
@@ -934,19 +929,6 @@ class StepConfigs:
         return out + ([("top-k sum", self.topk)] if self.topk is not None else [])
 
 
-def route_config(cfg: MoERouteConfig, tokens: int, given: bool, arch: str, x_dtype: str) -> MoERouteConfig:
-    """The route kernel at ``tokens``: its tiles (tiles_for), the early launch up to EARLY_ROUTE_NEXT_TOKENS, a token
-    block's CTAs as a cluster up to ROUTE_CLUSTER_MAX_TOKENS where ``arch`` has clusters and the config takes one."""
-    route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
-    if tokens <= ROUTE_CLUSTER_MAX_TOKENS and targets.has_clusters(arch):
-        try:
-            return replace(route, cluster=True)
-        except ValueError:  # more than 8 chunks of router rows, or their logits past rank 0's rings
-            pass
-    return route
-
-
 def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_groups: int, x_dtype: str,
                           k: int) -> RouteInputRotationConfig:
     """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
@@ -976,7 +958,8 @@ def step_configs(d: DeviceMoE, tokens: int, given: bool, arch: str, sm_count: in
     wgmma = s.wgmma
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
-    route = route_config(cfg, tokens, given, arch, x_dtype)
+    route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)

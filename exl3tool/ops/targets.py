@@ -189,14 +189,6 @@ def wave_fill(arch: str) -> float:
     return WAVE_FILL.get(arch.rstrip("af"), 1.0)
 
 
-CLUSTER_ARCHS = ("sm_90", "sm_100", "sm_120", "sm_121")  # thread block clusters and distributed shared memory
-
-
-def has_clusters(arch: str | None) -> bool:
-    """Can ``arch`` launch thread block clusters? (None: the arch-free plan, which does not use them.)"""
-    return arch is not None and arch.rstrip("af") in CLUSTER_ARCHS
-
-
 def has_wgmma(arch: str | None) -> bool:
     """Does ``arch`` have warpgroup MMAs? (None: the arch-free plan, which does not use them.)"""
     return arch is not None and arch.rstrip("af") in WGMMA_ARCHS

@@ -595,27 +595,22 @@ def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, monkeypatch):
     assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
-@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 8, 16, 64)), ("two-groups-k3-k5", (2, 40)),
-                                     ("k3.5-mul1-shared-gated", (1, 5, 64)), ("deepseek-grouped-sigmoid", (3, 33))])
-def test_route_clusters_change_no_bit(synthetic, name, ms, monkeypatch):
-    """moe.ROUTE_CLUSTER_MAX_TOKENS: a token block's route CTAs as one cluster (MoERouteConfig.cluster: the logits
-    into rank 0's shared memory, no arrival counter): the same logits summed in the same order, so the logits, the
-    routes and y are bit-identical to the arrival path, eagerly (twice) and in graph replay, the counters back at
-    zero."""
-    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    for m in ms:
-        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-        outs = []
-        for on in (True, False):
-            y, _, plan, configs = layer_with(monkeypatch, dmoe, x, {"ROUTE_CLUSTER_MAX_TOKENS": 64 if on else 0})
-            assert configs.route.cluster == on, (name, m)
-            assert not plan.counters.any()
-            e_r = dmoe.route.router_rows
-            outs.append((y, plan.logits[: m * e_r].clone(), *(t.clone() for t in routes(plan, m))))
-        (y1, logits1, ids1, w1), (y0, logits0, ids0, w0) = outs
-        assert torch.equal(y1, y0) and torch.equal(ids1, ids0), (name, m)
-        bits = lambda t: t.view(torch.int32)  # noqa: E731 (-0.0 and NaN payloads too)
-        assert torch.equal(bits(logits1), bits(logits0)) and torch.equal(bits(w1), bits(w0)), (name, m)
+def one_token_setting_changes_no_bit(monkeypatch, synthetic, name, attribute, check) -> None:
+    """The layer at one token with moe's ``attribute`` True, then False (``layer_with``: eager twice, graph replay),
+    ``check(on, dmoe, made, plan, configs)`` after each; y bit-identical between them and within MAX_REL of the
+    reference."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for on in (True, False):
+        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {attribute: on})
+        check(on, dmoe, made, plan, configs)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), name
+    ids, weights = (t.clone() for t in routes(plan, 1))
+    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated",
@@ -625,18 +620,10 @@ def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
     weight copies (MoEGemmConfig.early_prologue_loads): the same values, so y is bit-identical, eagerly (twice) and
     in graph replay, and within MAX_REL of the reference (gpt-oss's 576 pads to 640: lanes past x's width take the
     scalar path, zeros)."""
-    reader = synthetic(name)
-    moe = reader.moe(0, device="cuda")
-    dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for on in (True, False):
-        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"EARLY_PROLOGUE_LOADS": on})
+    def check(on, dmoe, made, plan, configs):
         assert [c.early_prologue_loads for c in made if c.planes == 2] == [on] * len(dmoe.groups), name
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]), name
-    ids, weights = (t.clone() for t in routes(plan, 1))
-    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+    one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "EARLY_PROLOGUE_LOADS", check)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
@@ -644,21 +631,12 @@ def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
     instead of packing the routes by expert: each block's GEMM work is the same, so y is bit-identical, eagerly
     (twice) and in graph replay, and within MAX_REL of the reference; the blocks hold the slots' experts."""
-    reader = synthetic(name)
-    moe = reader.moe(0, device="cuda")
-    dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for on in (True, False):
-        y, _, plan, configs = layer_with(monkeypatch, dmoe, x, {"SLOT_BLOCKS": on})
+    def check(on, dmoe, made, plan, configs):
         assert configs.route.slot_blocks == on
         ids = routes(plan, 1)[0].view(-1)
-        blocks = plan.block_expert[: ids.numel()]
-        assert torch.equal(blocks, ids if on else ids.sort().values)
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]), name
-    ids, weights = (t.clone() for t in routes(plan, 1))
-    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+        assert torch.equal(plan.block_expert[: ids.numel()], ids if on else ids.sort().values)
+
+    one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "SLOT_BLOCKS", check)
 
 
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
