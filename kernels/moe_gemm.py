@@ -372,7 +372,7 @@ class MoEGemm(DecodeGemmKernel):
                     gate = plane == 0
                     suh = cutlass.select_(gate, mGateSuh.iterator.toint(), mUpSuh.iterator.toint())
                     suh_width = cutlass.select_(gate, mGateSuh.shape[1], mUpSuh.shape[1])
-                    # the token's x and this expert's suh before any weight copy (a lambda: the DSL rewrites returns)
+                    # the token's x and this expert's suh, loaded before any weight copy
                     loads = lambda: rotation_loads(mX, suh, suh_width, p, k_begin, n_blocks, rounds,  # noqa: E731
                                                    warp, cfg.warps, lane)
 
