@@ -380,15 +380,15 @@ class MoEGemm(DecodeGemmKernel):
                         rotate_loaded_into_shared(loaded, mX, sX, n_blocks, cfg.resident_order, warp, cfg.warps,
                                                   lane)
                         ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
-                    decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
-                                    col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue, prologue_loads=loads)
                 else:
+                    loads = None
+
                     def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
                         rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
                                             cfg.resident_order, warp, cfg.warps, lane)
                         ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
-                    decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
-                                    col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
+                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
+                                col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue, prologue_loads=loads)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:
                     if mIds[0, tid] == expert:  # this block's one route: slot tid of token 0
                         mRouteRow[tid] = tok0

@@ -199,7 +199,18 @@ def scaled_values(mX: cute.Tensor, mSuh: cute.Tensor, row: Int32, col0: Int32, n
     expert's), 8-byte aligned. Traced inline."""
     suh = load_vector(mSuh, col0, n) if suh_row is None else load_row(mSuh, suh_row, col0, n)  # first: x's may branch
     x = row_values(mX, row, col0, n, DTYPE_NAMES[mX.element_type])
-    return [cutlass.select_(col0 + i < mX.shape[1], x[i] * suh[i], Float32(0.0)) for i in range(n)]
+    return scaled_product(x, suh, col0, mX.shape[1])
+
+
+def scaled_product(x, suh, col0, width):
+    """``x * suh`` of a lane's columns ``col0 ..``, +0 past x's ``width`` (the input rotation's scaling)."""
+    return [cutlass.select_(col0 + i < width, x[i] * suh[i], Float32(0.0)) for i in range(len(x))]
+
+
+def prologue_column(k_begin, n_blocks, r: int, warp, warps: int, lane):
+    """A lane's first column of x in round ``r`` of the M = 1 prologue: the 128-block ``warp + r * warps`` of the K
+    split from k-tile ``k_begin`` (past the last of ``n_blocks``: the last again, its results never stored)."""
+    return k_begin * 16 + cutlass.min(warp + r * warps, cutlass.max(n_blocks - 1, 0)) * 128 + 4 * lane
 
 
 @cute.jit
@@ -212,9 +223,8 @@ def rotate_into_shared(mX: cute.Tensor, mSuh: cute.Tensor, sX: cute.Tensor, k_be
     loop's column order (``trellis.X_ORDERS``, of the element relative to the range), block b by warp ``b % warps``.
     Every round's loads are issued before any butterfly (one memory latency, not one per round). Bit-identical to
     ``InputRotation`` (with ``suh_matrix``, row ``suh_row`` of suh: to ``moe_rotate.RouteInputRotation``)."""
-    last = cutlass.max(n_blocks - 1, 0)
-    scaled = [scaled_values(mX, mSuh, x_row, k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane,
-                            4, suh_row if suh_matrix else None) for r in range(rounds)]
+    scaled = [scaled_values(mX, mSuh, x_row, prologue_column(k_begin, n_blocks, r, warp, warps, lane), 4,
+                            suh_row if suh_matrix else None) for r in range(rounds)]
     rotate_scaled_into_shared(scaled, sX, n_blocks, x_order, warp, warps, lane, s_word0)
 
 
@@ -226,12 +236,11 @@ def rotation_loads(mX: cute.Tensor, suh_matrix_addr: Int64, suh_width: Int32, su
     so that a caller can issue them before its weight copies and finish with ``rotate_loaded_into_shared``. A lane's
     4 columns of x come by one 8-byte load where they lie inside the row and aligned (else from an aligned address
     inside the tensor, ignored: the scalar path reloads them). Per round: (suh words, x words, vector, column)."""
-    last = cutlass.max(n_blocks - 1, 0)
     width = mX.shape[1]
     x_base = mX.iterator.toint()
     out = []
     for r in cutlass.range_constexpr(rounds):
-        col0 = k_begin * 16 + cutlass.min(warp + r * warps, last) * 128 + 4 * lane
+        col0 = prologue_column(k_begin, n_blocks, r, warp, warps, lane)
         suh = ptx.ld_global_v2_b32(suh_matrix_addr + (Int64(suh_row) * suh_width + col0) * 2)
         addr = x_base + Int64(col0) * 2
         vector = (col0 + 4 <= width) & ((addr & 7) == 0)
@@ -259,7 +268,7 @@ def rotate_loaded_into_shared(loads, mX: cute.Tensor, sX: cute.Tensor, n_blocks:
             x = row_values(mX, Int32(0), col0, 4, dtype)
             for i in cutlass.range_constexpr(4):
                 v[i] = x[i]
-        scaled.append([cutlass.select_(col0 + i < width, v[i] * suh[i], Float32(0.0)) for i in range(4)])
+        scaled.append(scaled_product([v[i] for i in range(4)], suh, col0, width))
     rotate_scaled_into_shared(scaled, sX, n_blocks, x_order, warp, warps, lane, Int32(0))
 
 
