@@ -152,12 +152,12 @@ class MoEGemmConfig:
     min_ctas_per_sm: int = 0
     # P's dtype (PARTIALS_DTYPES): "float16" halves the bytes of P's stores and of the reads that sum them (the
     # Intermediate / TopKSum launches or the fused tails); only for a launch of one K split (a split's fp16 would
-    # be rounded before the sum: the planner's rule, ``moe.partials_dtype``).
+    # be rounded before the sum: the planner's rule, ``moe_configs.partials_dtype``).
     partials: str = "float32"
     # The fused intermediate's gating (moe_rotate.Gating: the activation, its clamp, gate/up biases in mRot).
     gating: Gating = SILU_GATING
     # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
-    # launched beside another kernel's last CTAs spreads over more SMs (moe.spread_pad).
+    # launched beside another kernel's last CTAs spreads over more SMs (moe_configs.spread_pad).
     smem_pad: int = 0
 
     def __post_init__(self):

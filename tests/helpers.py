@@ -20,8 +20,8 @@ GENUINE = ("llama_3inst", "llama_mcg", "llama_mul1", "qwen3moe_mul1")
 
 def launched_partials(configs) -> list[tuple[str, str, int]]:
     """(role, partials dtype, K splits of the GEMM that wrote them) of each launch of a MoE step's ``configs``
-    (``moe.StepConfigs``) that stores or sums GEMM partials: gate/up and the Intermediate go by gate/up's splits,
-    down and the top-k sum by down's."""
+    (``moe_configs.StepConfigs``) that stores or sums GEMM partials: gate/up and the Intermediate go by gate/up's
+    splits, down and the top-k sum by down's."""
     splits = {"gate/up": configs.shape.splits13, "intermediate": configs.shape.splits13,
               "down": configs.shape.splits2, "top-k sum": configs.shape.splits2}
     return [(role, cfg.partials, splits[role]) for role, cfg in configs.kernels() if role in splits]

@@ -13,9 +13,9 @@ from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
-from exl3tool.ops import moe as moe_ops
+from exl3tool.ops import moe_configs
 from exl3tool.ops import moe_kernels
-from exl3tool.ops.moe import gemm_config, x_order
+from exl3tool.ops.moe_configs import gemm_config, x_order
 from exl3tool.ops.runtime import compile_with_ptx
 from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_early_next, assert_waits_before_global_access
 
@@ -257,7 +257,7 @@ def assert_first_weights_before_wait(cfg, plain):
 @pytest.mark.parametrize("topk", [None, TopKSumConfig(8, "float16", 3)], ids=["plain", "topk-sum"])
 @pytest.mark.parametrize("split", [False, True])
 def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
-    """The down GEMM behind a gate/up GEMM that does the intermediate (moe.EARLY_DOWN_WEIGHTS), with or without
+    """The down GEMM behind a gate/up GEMM that does the intermediate (moe_configs.EARLY_DOWN_WEIGHTS), with or without
     the fused top-k sum."""
     plain = gemm_config(4.0, "mcg", 1, 8, split_halves=split)
     assert_first_weights_before_wait(dataclasses.replace(plain, weights_before_wait=True, topk_sum=topk), plain)
@@ -265,7 +265,7 @@ def test_down_gemm_issues_its_first_weights_before_its_wait(split, topk):
 
 @pytest.mark.parametrize("rows,split", [(8, True), (32, False)])
 def test_gate_up_gemm_issues_its_first_weights_before_its_wait(rows, split):
-    """The gate/up GEMM behind an input rotation with ``early_next`` (moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS)."""
+    """The gate/up GEMM behind an input rotation with ``early_next`` (moe_configs.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS)."""
     plain = gemm_config(4.0, "mcg", 2, rows, split_halves=split)
     assert_first_weights_before_wait(dataclasses.replace(plain, weights_before_wait=True), plain)
 
@@ -321,10 +321,10 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
 
 
 def test_block_ready_counters_with_the_one_token_gemms():
-    """At M = 1 (if moe.READY_COUNTERS_MIN_TOKENS allows) the counters join the gate/up GEMM that rotates its own
-    input and the down GEMM that does the top-k sum: gate/up, launched right behind the route, triggers the down launch
-    once its wait for the route is over (down reads the route's block table before its own counter) and before any
-    load; down spins on its block's counter before its X copies, its top-k sum counts in at its own counters
+    """At M = 1 (if moe_configs.READY_COUNTERS_MIN_TOKENS allows) the counters join the gate/up GEMM that rotates its
+    own input and the down GEMM that does the top-k sum: gate/up, launched right behind the route, triggers the down
+    launch once its wait for the route is over (down reads the route's block table before its own counter) and before
+    any load; down spins on its block's counter before its X copies, its top-k sum counts in at its own counters
     (``mSumCounter``), and it waits for the kernel before at its end. The MMAs are those without the counters."""
     up = dataclasses.replace(gemm_config(4.0, "mcg", 2, 8, split_halves=True, intermediate_splits=4,
                                          x2_order="doubled"), input="float16", resident_k_tiles=32)
@@ -345,9 +345,9 @@ def test_block_ready_counters_with_the_one_token_gemms():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 @pytest.mark.parametrize("planes", [2, 1])
 def test_sixteen_k_tile_stages_of_eight_warp_route_blocks(arch, planes):
-    """The unsplit GEMMs of 8-warp 8-row route blocks on sm_90 (moe.UNSPLIT_SYNC_PIPELINES): 2 stages of 16 k-tiles,
-    gate/up with its fused intermediate and ready signal, down with its wait. Against 3 stages of 8: the same MMAs a
-    k-tile, fewer CTA barriers a weight, within 99 KB and four CTAs' shared memory an SM; on sm_90a no spills, at
+    """The unsplit GEMMs of 8-warp 8-row route blocks on sm_90 (moe_configs.UNSPLIT_SYNC_PIPELINES): 2 stages of 16
+    k-tiles, gate/up with its fused intermediate and ready signal, down with its wait. Against 3 stages of 8: the same
+    MMAs a k-tile, fewer CTA barriers a weight, within 99 KB and four CTAs' shared memory an SM; on sm_90a no spills, at
     most 64 registers (four CTAs of 256 threads an SM, as at 3 of 8) and no more SASS a weight."""
     from exl3tool import sass
     from exl3tool.kernels.trellis import mmas_per_tile
@@ -355,7 +355,7 @@ def test_sixteen_k_tile_stages_of_eight_warp_route_blocks(arch, planes):
     fields = (dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(8, True)) if planes == 2
               else dict(ready_wait=True))
     sixteen = gemm_config(4.0, "mcg", planes, 8, tokens=16, split_halves=True,
-                          **moe_ops.sync_pipeline("sm_90a", 8, 8, False, 1, 128), **fields)
+                          **moe_configs.sync_pipeline("sm_90a", 8, 8, False, 1, 128), **fields)
     eight = dataclasses.replace(sixteen, stages=3, k_tiles_per_stage=8)
     assert (sixteen.warps, sixteen.stages, sixteen.k_tiles_per_stage) == (8, 2, 16)
     assert sixteen.smem_bytes <= SMEM_LIMIT_BYTES and 4 * (sixteen.smem_bytes + 1024) <= 228 * 1024  # 1 KB: driver's
@@ -372,23 +372,23 @@ def test_sixteen_k_tile_stages_of_eight_warp_route_blocks(arch, planes):
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 @pytest.mark.parametrize("codebook", ["mcg", "3inst"])
-@pytest.mark.parametrize("rows", moe_ops.EIGHT_WARP_SMALL_BLOCK_ROWS)
+@pytest.mark.parametrize("rows", moe_configs.EIGHT_WARP_SMALL_BLOCK_ROWS)
 def test_eight_warp_small_blocks_from_fourteen_tokens(arch, codebook, rows):
-    """From moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS the 8- and 16-row route blocks take 8 warps a CTA (twice its
+    """From moe_configs.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS the 8- and 16-row route blocks take 8 warps a CTA (twice its
     columns; each warp's loop unchanged): gate/up with the fused intermediate and its block-ready signal, down
     waiting for it, within SM120's shared memory, with the 4-warp kernels' MMAs a warp."""
     split = rows == 8  # one token group splits each weight's halves (targets.SPLIT_HALVES_MAX_TOKEN_GROUPS)
     stages = {"stages": 3} if arch == "sm_90a" and rows == 8 else {}
-    assert_eight_warps_keep_the_mmas(arch, codebook, rows, moe_ops.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS, split, 1,
+    assert_eight_warps_keep_the_mmas(arch, codebook, rows, moe_configs.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS, split, 1,
                                      **stages)
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 def test_eight_warp_small_blocks_at_listed_token_counts_with_split_k(arch):
-    """At the token counts in moe.EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4) the 8-row blocks' 8-warp GEMMs split K:
+    """At the token counts in moe_configs.EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4) the 8-row blocks' 8-warp GEMMs split K:
     gate/up sums three splits in its fused intermediate and signals block readiness, down waits for it, both with
     split halves and 2 stages, within SM120's shared memory and with the 4-warp kernels' MMAs a warp."""
-    eights = assert_eight_warps_keep_the_mmas(arch, "mcg", 8, moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS[0], True, 3)
+    eights = assert_eight_warps_keep_the_mmas(arch, "mcg", 8, moe_configs.EIGHT_WARP_SMALL_BLOCK_TOKENS[0], True, 3)
     assert [c.stages for c in eights] == [2, 2]
 
 
@@ -557,8 +557,8 @@ def test_fast_math_trims_the_intermediate(monkeypatch):
 
 
 def test_the_intermediate_finds_a_rows_block_without_a_division(monkeypatch):
-    """moe.INTERMEDIATE_CONSTANT_BLOCK_ROWS: the planner compiles the Intermediate launch for its route block size,
-    so a packed row's block comes from a multiply-high (sm_90a: no I2F.RP reciprocal of the division, fewer SASS),
+    """moe_configs.INTERMEDIATE_CONSTANT_BLOCK_ROWS: the planner compiles the Intermediate launch for its route block
+    size, so a packed row's block comes from a multiply-high (sm_90a: no I2F.RP reciprocal of the division, fewer SASS),
     its loads still all before its first store; with the switch off the launch's argument divides as before."""
     from collections import Counter
 
@@ -569,9 +569,9 @@ def test_the_intermediate_finds_a_rows_block_without_a_division(monkeypatch):
         ((instructions, _, _),) = sass.disassemble(cubin).values()
         return Counter(i.opcode for i in instructions if i.root != "NOP")
 
-    constant = moe_ops.intermediate_config(1, "stages", 6, 320)
-    monkeypatch.setattr(moe_ops, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", False)
-    argument = moe_ops.intermediate_config(1, "stages", 6, 320)
+    constant = moe_configs.intermediate_config(1, "stages", 6, 320)
+    monkeypatch.setattr(moe_configs, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", False)
+    argument = moe_configs.intermediate_config(1, "stages", 6, 320)
     assert (constant.block_rows, argument.block_rows) == (320, 0)
     fast, slow = counts(constant), counts(argument)
     assert slow["I2F.RP"] == 1 and fast["I2F.RP"] == 0 and fast.total() < slow.total()
@@ -610,8 +610,9 @@ def test_input_rotation_on_tensor_cores_compiles(routes, x_order, shift, first, 
 
 @pytest.mark.parametrize("planes,split", [(2, True), (1, True), (1, False)])
 def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, split):
-    """sm_90a, 8-row route blocks at 3 stages (moe.UNSPLIT_SYNC_PIPELINES): the main loop holds one chunk a stage
-    (mainloop.chunk_unroll: static stage addresses), so it issues about as much a weight as at 2 stages, no spills."""
+    """sm_90a, 8-row route blocks at 3 stages (moe_configs.UNSPLIT_SYNC_PIPELINES): the main loop holds one chunk a
+    stage (mainloop.chunk_unroll: static stage addresses), so it issues about as much a weight as at 2 stages, no
+    spills."""
     from exl3tool import sass
     from exl3tool.kernels.trellis import mmas_per_tile
 
@@ -622,16 +623,16 @@ def test_three_stage_route_block_gemms_are_unrolled_over_their_stages(planes, sp
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-@pytest.mark.parametrize("rows", sorted(moe_ops.GROUP_LOOPS))
+@pytest.mark.parametrize("rows", sorted(moe_configs.GROUP_LOOPS))
 def test_route_blocks_compile_a_main_loop_for_each_group_count(arch, rows):
-    """moe.GROUP_LOOPS (the M = 65-479 plan: gate/up with its fused intermediate, ready signal and weights before its
-    wait, down waiting for its block): one main loop for each count of token groups in the list, each with that
-    count's MMAs, so the kernel holds sum(counts) / groups times the MMAs of one that multiplies every group, within
-    SM120's shared memory. On sm_90a no spills and no fewer CTAs an SM than that kernel by registers."""
+    """moe_configs.GROUP_LOOPS (the M = 65-479 plan: gate/up with its fused intermediate, ready signal and weights
+    before its wait, down waiting for its block): one main loop for each count of token groups in the list, each with
+    that count's MMAs, so the kernel holds sum(counts) / groups times the MMAs of one that multiplies every group,
+    within SM120's shared memory. On sm_90a no spills and no fewer CTAs an SM than that kernel by registers."""
     from exl3tool import sass
     from exl3tool.ops.targets import resident_ctas
 
-    loops = moe_ops.GROUP_LOOPS[rows]
+    loops = moe_configs.GROUP_LOOPS[rows]
     for planes, fields in ((2, dict(intermediate_splits=1, ready_signal=True, weights_before_wait=True,
                                     x2_order=x_order(rows))), (1, dict(ready_wait=True))):
         cfg = gemm_config(4.0, "mcg", planes, rows, tokens=256, **fields)
@@ -646,7 +647,7 @@ def test_route_blocks_compile_a_main_loop_for_each_group_count(arch, rows):
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 def test_sixteen_row_gate_up_reads_x_in_fragment_order(arch):
-    """moe.GATE_UP_FRAGMENT_ORDER_ROWS (16-row route blocks, 8 warps at M = 96): the gate/up GEMM reads its X in
+    """moe_configs.GATE_UP_FRAGMENT_ORDER_ROWS (16-row route blocks, 8 warps at M = 96): the gate/up GEMM reads its X in
     fragment order, one 16-byte shared load per k-tile for both token groups instead of four 4-byte ones: fewer
     shared loads and SASS a weight in the main loop than with X in rows, the same MMAs, no spills and no fewer CTAs
     an SM. Down's X2 stays in rows (fragments took its registers from 42 to 64 on sm_90a)."""
@@ -723,21 +724,21 @@ def test_gpt_oss_gating_and_biases_compile(arch):
 
 
 def test_spread_down_gemm_holds_six_ctas_an_sm_and_runs_the_same_code():
-    """The M=1 down GEMM with moe.DOWN_MAX_CTAS_PER_SM's shared-memory pad (sm_90a, E=128 top-8 2048x768 K=4 mcg):
-    the kernel's own shared memory within moe.STATIC_SMEM_MARGIN, 6 CTAs an SM by its compiled registers and shared
-    memory, and the unpadded kernel's instructions, opcode for opcode."""
+    """The M=1 down GEMM with moe_configs.DOWN_MAX_CTAS_PER_SM's shared-memory pad (sm_90a, E=128 top-8 2048x768 K=4
+    mcg): the kernel's own shared memory within moe_configs.STATIC_SMEM_MARGIN, 6 CTAs an SM by its compiled registers
+    and shared memory, and the unpadded kernel's instructions, opcode for opcode."""
     from exl3tool import sass
     from exl3tool.ops import targets
-    from exl3tool.ops.moe import GroupShape, LayerShape
+    from exl3tool.ops.moe_configs import GroupShape, LayerShape
 
     layer = LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048, (GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
-    down = moe_ops.step_configs(layer, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    down = moe_configs.step_configs(layer, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
     assert down.smem_pad > 0
     kernels = [sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[MoEGemmConfig](c, o), "sm_90a"),
                                   dynamic_smem_bytes=c.smem_bytes)[0]
                for c in (down, dataclasses.replace(down, smem_pad=0))]
     padded, plain = kernels
-    assert padded.static_smem_bytes <= moe_ops.STATIC_SMEM_MARGIN
+    assert padded.static_smem_bytes <= moe_configs.STATIC_SMEM_MARGIN
     assert targets.resident_ctas("sm_90a", 32 * down.warps, padded.smem_per_cta_bytes, padded.registers) == 6
     assert [i.opcode for i in padded.instructions] == [i.opcode for i in plain.instructions]
 

@@ -1,7 +1,7 @@
-"""Every kernel config the fused MoE plans (``moe.step_configs``, what MoEPlan compiles and launches), on the CPU, for
-every arch it targets: SM120 and SM80 plan only mma.sync route blocks, which the H200's GPU tier never runs past 32
-rows (it takes warpgroup MMAs from 64), so their configs are checked here. Each step plans without an error for every
-token count up to 4096 and both routing modes; the distinct configs of SM120's steps compile (marker compile)."""
+"""Every kernel config the fused MoE plans (``moe_configs.step_configs``, what MoEPlan compiles and launches), on the
+CPU, for every arch it targets: SM120 and SM80 plan only mma.sync route blocks, which the H200's GPU tier never runs
+past 32 rows (it takes warpgroup MMAs from 64), so their configs are checked here. Each step plans without an error for
+every token count up to 4096 and both routing modes; the distinct configs of SM120's steps compile (marker compile)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_rotate import Gating
 from exl3tool.kernels.moe_route import MoERouteConfig
-from exl3tool.ops import moe
-from exl3tool.ops.moe import GroupShape, LayerShape, step_configs
+from exl3tool.ops import moe_configs
+from exl3tool.ops.moe_configs import GroupShape, LayerShape, step_configs
 from exl3tool.ops.runtime import compile_with_ptx
 from exl3tool.ops.targets import typical_sms
 
@@ -104,7 +104,7 @@ def test_resident_route_rows_plan_where_the_gate_up_stages_take_them(name, arch,
     """With RESIDENT_INPUT_TOKENS at 8 (the candidate), every step of 1-8 tokens plans: the gate/up GEMM takes the
     rows where its stages can (``GemmConfig.takes_input``) and they fit, else the input rotation launches. Found on
     the H200 (s51): DeepSeek's 256-wide layer at 4 tokens splits K into 4 k-tiles, and the planner raised instead."""
-    monkeypatch.setattr(moe, "RESIDENT_INPUT_TOKENS", 8)
+    monkeypatch.setattr(moe_configs, "RESIDENT_INPUT_TOKENS", 8)
     d = {**LAYERS, **MODELS}[name]
     for tokens in range(1, 9):
         step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")

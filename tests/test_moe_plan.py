@@ -11,21 +11,12 @@ import numpy as np
 import pytest
 
 from exl3tool.kernels.moe_route import MoERouteConfig
-from exl3tool.ops import moe as moe_ops
+from exl3tool.ops import moe_configs
 from exl3tool.ops import targets
-from exl3tool.ops.moe import (
-    DeviceExpertGroup,
-    GroupShape,
-    LayerShape,
-    _per_split,
-    block_bound,
-    expected_blocks,
-    input_rotation_layout,
-    intermediate_blocks_per_warp,
-    intermediate_config,
-    spread_pad,
-    step_shape,
-    sum_blocks_per_cta,
+from exl3tool.ops.moe import DeviceExpertGroup
+from exl3tool.ops.moe_configs import (
+    GroupShape, LayerShape, _per_split, block_bound, expected_blocks, input_rotation_layout,
+    intermediate_blocks_per_warp, intermediate_config, spread_pad, step_shape, sum_blocks_per_cta,
 )
 from helpers import launched_partials
 
@@ -92,8 +83,9 @@ def test_block_rows_grow_with_the_routes_per_expert():
     d = moe()
     assert [step_shape(d, m, 132).block_rows for m in (1, 16, 64, 256, 512, 1024, 2048, 4096)] == [
         8, 8, 8, 32, 64, 64, 128, 128]
-    # sm_90a's warpgroup MMAs take 320-row blocks once the mean reaches 256 routes an expert (moe.BLOCK_FROM_MEAN),
-    # but at a mean of 384 two 256-row blocks an expert cost less than two 320-row ones; SM120 stays at 128
+    # sm_90a's warpgroup MMAs take 320-row blocks once the mean reaches 256 routes an expert
+    # (moe_configs.BLOCK_FROM_MEAN), but at a mean of 384 two 256-row blocks an expert cost less than two 320-row ones;
+    # SM120 stays at 128
     assert [step_shape(d, m, 132, "sm_90a").block_rows for m in (1024, 2048, 4095, 4096, 6144, 8192)] == [
         64, 128, 128, 320, 256, 320]
     assert step_shape(d, 8192, 188, "sm_120a").block_rows == 128
@@ -105,8 +97,8 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
     """The gate/up GEMM takes over the intermediate step where its grid, counted over the blocks uniform routing
     is expected to use, is at most 1.25 waves of 8 CTAs per SM (H200: M=1-3 and 5-8 faster, M=4 at 2 K splits and
     M=9 on slower), so at decode for this layer, and at M=16 too on a GPU with many more SMs; and from
-    moe.READY_COUNTERS_MIN_TOKENS (4) wherever the route blocks use mma.sync, whose down GEMM then waits for
-    block-ready counters: on sm_90a up to 32-row blocks and the 64-row ones below moe.SYNC_BELOW_MEAN (M=479),
+    moe_configs.READY_COUNTERS_MIN_TOKENS (4) wherever the route blocks use mma.sync, whose down GEMM then waits for
+    block-ready counters: on sm_90a up to 32-row blocks and the 64-row ones below moe_configs.SYNC_BELOW_MEAN (M=479),
     never the warpgroup-MMA ones."""
     d = moe()
     fused = [m for m in range(1, 600) if step_shape(d, m, 132, "sm_90a").fused_intermediate]
@@ -115,8 +107,8 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
     assert ready == list(range(4, 480)) and not any(step_shape(d, m, 132, "sm_90a").wgmma for m in ready)
     assert step_shape(d, 480, 132, "sm_90a").wgmma
     assert not step_shape(d, 4096, 132, "sm_90a").fused_intermediate
-    monkeypatch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)
-    # (M=4 and 14-16: 8-warp CTAs, moe.eight_warp_small_blocks, halve the gate/up grid)
+    monkeypatch.setattr(moe_configs, "READY_COUNTERS_MIN_TOKENS", 1 << 30)
+    # (M=4 and 14-16: 8-warp CTAs, moe_configs.eight_warp_small_blocks, halve the gate/up grid)
     without_counters = [m for m in range(1, 17) if step_shape(d, m, 132).fused_intermediate]
     assert without_counters == [1, 2, 3, 4, 5, 6, 7, 8, 14, 15, 16]
     assert not any(step_shape(d, m, 132).fused_intermediate for m in (64, 256, 4096))
@@ -128,7 +120,7 @@ def test_the_intermediate_is_fused_into_a_short_gate_up_grid_or_behind_block_rea
 
 
 def test_the_intermediate_takes_two_blocks_a_warp_where_they_divide_the_row():
-    """fp32 gate/up partials: two 128-column blocks a warp (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) where the
+    """fp32 gate/up partials: two 128-column blocks a warp (moe_configs.INTERMEDIATE_MAX_BLOCKS_PER_WARP) where the
     intermediate's block count is even, one where it is odd (every warp takes the same number), by packed row."""
     assert [intermediate_blocks_per_warp(b) for b in (1, 2, 3, 6, 7, 32)] == [1, 2, 1, 2, 1, 2]
     # 8 values a lane (both blocks at once) where the warp takes two
@@ -149,7 +141,7 @@ def test_the_intermediate_of_half_partials_takes_up_to_six_blocks_a_warp_and_a_w
 def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
     """8-row route blocks (one token group) split each weight's halves where the dense M <= 8 GEMM does
     (targets.split_halves), so X and X2 are written doubled; larger blocks and mul1 keep their orders."""
-    from exl3tool.ops.moe import group_splits, x_order
+    from exl3tool.ops.moe_configs import group_splits, x_order
 
     mcg = SimpleNamespace(w13_codebook="mcg", w13_bits=4.0, w2_codebook="mul1", w2_bits=4.0)
     assert group_splits("sm_90a", mcg, 8) == (True, False) and group_splits("sm_120a", mcg, 8) == (True, False)
@@ -161,28 +153,28 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
 
 
 def test_sixteen_row_blocks_write_gate_up_x_alone_in_fragment_order(monkeypatch):
-    """moe.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks take gate/up's X (the input rotation's output) in
+    """moe_configs.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks take gate/up's X (the input rotation's output) in
     fragment order and keep down's X2 in rows; off, both in rows. 32-row blocks take both in fragments either way."""
-    from exl3tool.ops.moe import gemm_config, x_order
+    from exl3tool.ops.moe_configs import gemm_config, x_order
 
     orders = lambda rows: (x_order(rows, gate_up=True), x_order(rows), gemm_config(4.0, "mcg", 2, rows).x_order,
                            gemm_config(4.0, "mcg", 1, rows).x_order)
     assert orders(16) == ("fragments", "rows", "fragments", "rows") and orders(32) == ("fragments",) * 4
-    monkeypatch.setattr(moe_ops, "GATE_UP_FRAGMENT_ORDER_ROWS", ())
+    monkeypatch.setattr(moe_configs, "GATE_UP_FRAGMENT_ORDER_ROWS", ())
     assert orders(16) == ("rows",) * 4 and orders(32) == ("fragments",) * 4
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 @pytest.mark.parametrize("shared", ["none", "gated"])
 def test_a_few_tokens_rotate_their_route_blocks_rows_in_the_gate_up_gemm(monkeypatch, arch, shared):
-    """moe.RESIDENT_INPUT_TOKENS: up to it the router's routes go without an input rotation launch, the gate/up GEMM
-    holding a row of x a token (resident_rows = M, the K split's k-tiles, within its shared memory); the caller's
+    """moe_configs.RESIDENT_INPUT_TOKENS: up to it the router's routes go without an input rotation launch, the gate/up
+    GEMM holding a row of x a token (resident_rows = M, the K split's k-tiles, within its shared memory); the caller's
     routes (an expert twice a token), more tokens and rows that do not fit keep the launch. 4 since s52 (measured on an
     H100: 1-2% faster at M=2-4, 8 lost at M=6-8)."""
-    from exl3tool.ops.moe import step_configs
+    from exl3tool.ops.moe_configs import step_configs
 
     d = moe(shared=shared)
-    assert moe_ops.RESIDENT_INPUT_TOKENS == 4
+    assert moe_configs.RESIDENT_INPUT_TOKENS == 4
     for m in range(1, 7):
         for given in (False, True):
             (g,) = step_configs(d, m, given, arch, 132, "float16", "float16").groups
@@ -194,7 +186,7 @@ def test_a_few_tokens_rotate_their_route_blocks_rows_in_the_gate_up_gemm(monkeyp
             else:
                 assert g.gate_up.resident_rows == 1
     # rows that do not fit beside the weight stages keep the launch: 8 tokens of a 16384-wide x, K not split
-    monkeypatch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", 8)
+    monkeypatch.setattr(moe_configs, "RESIDENT_INPUT_TOKENS", 8)
     wide = moe(shared=shared, hidden_p=16384)
     for m, resident in ((2, True), (8, False)):
         (g,) = step_configs(wide, m, False, arch, 132, "float16", "float16").groups
@@ -202,28 +194,28 @@ def test_a_few_tokens_rotate_their_route_blocks_rows_in_the_gate_up_gemm(monkeyp
 
 
 def test_eight_warp_small_blocks_at_listed_token_counts(monkeypatch):
-    """8- and 16-row route blocks take 8-warp CTAs from moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS and at the token counts
-    in EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4): there its CTAs take twice the columns and split-K fills the SMs again
-    with three gate/up splits and two down splits instead of two and one; its neighbours keep 4 warps."""
-    from exl3tool.ops.moe import gemm_layout
+    """8- and 16-row route blocks take 8-warp CTAs from moe_configs.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS and at the token
+    counts in EIGHT_WARP_SMALL_BLOCK_TOKENS (M = 4): there its CTAs take twice the columns and split-K fills the SMs
+    again with three gate/up splits and two down splits instead of two and one; its neighbours keep 4 warps."""
+    from exl3tool.ops.moe_configs import gemm_layout
 
     d = moe()
-    assert moe_ops.EIGHT_WARP_SMALL_BLOCK_TOKENS == (4,)
+    assert moe_configs.EIGHT_WARP_SMALL_BLOCK_TOKENS == (4,)
     assert [gemm_layout(8, "mcg", tokens=m).get("warps", 4) for m in (3, 4, 5, 13, 14)] == [4, 8, 4, 4, 8]
     shapes = [step_shape(d, m, 132) for m in (3, 4, 5)]
     assert [(s.splits13, s.splits2) for s in shapes] == [(2, 2), (3, 2), (1, 1)]
-    monkeypatch.setattr(moe_ops, "EIGHT_WARP_SMALL_BLOCK_TOKENS", ())
+    monkeypatch.setattr(moe_configs, "EIGHT_WARP_SMALL_BLOCK_TOKENS", ())
     assert gemm_layout(8, "mcg", tokens=4).get("warps", 4) == 4
     shape = step_shape(d, 4, 132)
     assert (shape.splits13, shape.splits2) == (2, 1)
 
 
 def test_unsplit_route_block_pipelines_on_sm90():
-    """On sm_90 8-row mma.sync route blocks whose K is not split take moe.UNSPLIT_SYNC_PIPELINES: 3 stages of 8
+    """On sm_90 8-row mma.sync route blocks whose K is not split take moe_configs.UNSPLIT_SYNC_PIPELINES: 3 stages of 8
     k-tiles at 4 warps (H200 M=8-64 3-5% faster), 2 of 16 at 8 warps (half the CTA barriers) where 16 k-tiles divide
     the GEMM's K, else 3 of 8; split ones (M <= 4 here, a few stages a CTA) and everything else keep the layout's;
     SM120 keeps 2 of 8. Each pipeline fits beside the rest of the CTA's shared memory."""
-    from exl3tool.ops.moe import block_warps, gemm_config, sync_pipeline
+    from exl3tool.ops.moe_configs import block_warps, gemm_config, sync_pipeline
 
     d = moe()
     shapes = {m: step_shape(d, m, 132) for m in (1, 2, 4, 8, 16, 64)}
@@ -248,7 +240,7 @@ def test_large_route_blocks_take_warpgroup_mma_on_sm90a():
     """From MOE_WGMMA_MIN_ROWS rows a block, sm_90a's GEMMs are the warpgroup-MMA ones (X and X2 then in row order,
     which the MMA's swizzled copies expect, and from 256 rows in the stages' layout, one bulk copy a stage), except
     64-row blocks below SYNC_BELOW_MEAN routes an expert; SM120 and the arch-free plan keep mma.sync."""
-    from exl3tool.ops.moe import MOE_WGMMA_MIN_ROWS, SYNC_BELOW_MEAN, gemm_config, uses_wgmma, x_order
+    from exl3tool.ops.moe_configs import MOE_WGMMA_MIN_ROWS, SYNC_BELOW_MEAN, gemm_config, uses_wgmma, x_order
 
     assert MOE_WGMMA_MIN_ROWS == 64 and SYNC_BELOW_MEAN == {64: 30}
     assert [uses_wgmma(rows, "sm_90a", 64) for rows in (8, 32, 64, 128)] == [False, False, True, True]
@@ -278,10 +270,10 @@ def test_the_input_rotation_splits_slots_at_decode_and_takes_eight_values_at_lar
 
 
 def test_only_the_largest_wgmma_route_blocks_pass_stages_through_mbarriers():
-    """moe.MBARRIER_MIN_ROWS: 320-row warpgroup-MMA blocks use the mbarrier main loop (faster there), smaller ones
-    and mma.sync the CTA barrier; GemmConfig refuses mbarriers outside the warpgroup-MMA loop."""
+    """moe_configs.MBARRIER_MIN_ROWS: 320-row warpgroup-MMA blocks use the mbarrier main loop (faster there), smaller
+    ones and mma.sync the CTA barrier; GemmConfig refuses mbarriers outside the warpgroup-MMA loop."""
     from exl3tool.kernels.gemm import GemmConfig
-    from exl3tool.ops.moe import gemm_config
+    from exl3tool.ops.moe_configs import gemm_config
 
     assert [gemm_config(4.0, "mcg", 2, rows, wgmma=True).mbarriers for rows in (64, 128, 256, 320)] == [
         False, False, False, True]
@@ -306,24 +298,24 @@ def test_topk_sum_blocks_per_cta_leave_eight_ctas_per_sm(monkeypatch):
     for m in want:
         per_cta = sum_blocks_per_cta(m, 16, 132)
         assert m * 16 / per_cta >= 8 * 132 or per_cta == 1
-    monkeypatch.setattr(moe_ops, "SUM_BLOCKS_PER_CTA", 1)
+    monkeypatch.setattr(moe_configs, "SUM_BLOCKS_PER_CTA", 1)
     assert sum_blocks_per_cta(4096, 16, 132) == 1
 
 
 def test_mma_sync_route_blocks_of_several_groups_skip_their_empty_ones():
-    """moe.GROUP_LOOPS: the 16-, 32- and 64-row mma.sync route blocks (M = 65-479 at E=128 top-8) compile a main loop for
-    each listed count of token groups and read row_route to pick one; 8-row blocks (one group) and warpgroup-MMA
-    blocks do not. MoEGemmConfig refuses counts that are not ascending up to the block's groups, and the skip where
-    it has no meaning."""
+    """moe_configs.GROUP_LOOPS: the 16-, 32- and 64-row mma.sync route blocks (M = 65-479 at E=128 top-8) compile a main
+    loop for each listed count of token groups and read row_route to pick one; 8-row blocks (one group) and
+    warpgroup-MMA blocks do not. MoEGemmConfig refuses counts that are not ascending up to the block's groups, and the
+    skip where it has no meaning."""
     import dataclasses
 
-    from exl3tool.ops.moe import gemm_config
+    from exl3tool.ops.moe_configs import gemm_config
 
-    assert moe_ops.GROUP_LOOPS == {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}
+    assert moe_configs.GROUP_LOOPS == {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}
     for rows in (8, 16, 32, 64):
         for planes in (2, 1):
             cfg = gemm_config(4.0, "mcg", planes, rows, tokens=256)
-            assert cfg.group_loops == moe_ops.GROUP_LOOPS.get(rows, ()) and cfg.takes_row_route == (rows > 8)
+            assert cfg.group_loops == moe_configs.GROUP_LOOPS.get(rows, ()) and cfg.takes_row_route == (rows > 8)
     assert gemm_config(4.0, "mcg", 2, 64, True).group_loops == ()
     assert gemm_config(4.0, "mcg", 2, 8, intermediate_splits=1).group_loops == ()
     cfg = gemm_config(4.0, "mcg", 1, 32, tokens=256)
@@ -344,7 +336,7 @@ def test_group_loops_leave_out_the_x_copies_of_the_groups_they_skip(monkeypatch)
     import dataclasses
 
     from exl3tool.kernels import mainloop
-    from exl3tool.ops.moe import gemm_config
+    from exl3tool.ops.moe_configs import gemm_config
 
     cfg32, cfg16 = (gemm_config(4.0, "mcg", 1, rows, tokens=256).mainloop for rows in (32, 16))
     assert (cfg32.warps, cfg32.x_k_tile_words * cfg32.k_tiles_per_stage // 4) == (8, 16)
@@ -361,18 +353,18 @@ def test_unsplit_gemms_store_fp16_partials_from_the_listed_token_count(monkeypat
     float16 partials; a split GEMM (and the launch after it) keeps float32 at any M (each split's would round)."""
     layer = moe()
     wide = moe(num_experts=2, top_k=1, hidden_p=4096, inter_p=8192)  # split down GEMMs at every M below
-    first = moe_ops.HALF_PARTIALS_MIN_TOKENS
+    first = moe_configs.HALF_PARTIALS_MIN_TOKENS
     for m in (first - 1, first, 4096):
         for d in (layer, wide):
-            c = moe_ops.step_configs(d, m, False, "sm_90", 132, "float16", "float16")
+            c = moe_configs.step_configs(d, m, False, "sm_90", 132, "float16", "float16")
             launched = launched_partials(c)
             assert {role for role, _, _ in launched} == {"gate/up", "intermediate", "down", "top-k sum"}
             assert [partials for _, partials, _ in launched] == [
                 "float16" if m >= first and splits == 1 else "float32" for _, _, splits in launched]
         assert c.shape.splits2 > 1  # wide's, the last of the loop
-    monkeypatch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1)
+    monkeypatch.setattr(moe_configs, "HALF_PARTIALS_MIN_TOKENS", 1)
     narrow = moe(num_experts=32, top_k=6, hidden_p=256, inter_p=128)  # one split at M = 1
-    c = moe_ops.step_configs(narrow, 1, False, "sm_90", 132, "float16", "float16")  # resident input, fused top-k
+    c = moe_configs.step_configs(narrow, 1, False, "sm_90", 132, "float16", "float16")  # resident input, fused top-k
     gate_up, down = (cfg for role, cfg in c.kernels() if role in ("gate/up", "down"))
     assert (gate_up.input, gate_up.partials, down.partials, down.topk_sum.partials) == (
         "float16", "float16", "float16", "float16")
@@ -386,8 +378,8 @@ def _spreads(routes: int, experts: int):
 
 
 def test_block_bound_is_the_most_blocks_any_routing_fills():
-    """moe.block_bound: no way of putting R routes on E experts fills more blocks of T rows, and one fills exactly
-    that many (every case of E <= 5, T <= 8, R <= 12)."""
+    """moe_configs.block_bound: no way of putting R routes on E experts fills more blocks of T rows, and one fills
+    exactly that many (every case of E <= 5, T <= 8, R <= 12)."""
     for experts in (1, 2, 3, 5):
         for rows in (1, 2, 3, 8):
             for n in range(1, 13):
@@ -399,66 +391,67 @@ def test_block_bound_is_the_most_blocks_any_routing_fills():
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a", "sm_80"])
 def test_spread_pad_holds_an_sm_to_the_asked_ctas(arch):
-    """moe.spread_pad: a CTA of ``smem`` bytes plus the pad (and up to STATIC_SMEM_MARGIN of the kernel's own) fits
-    the asked CTAs an SM where shared memory binds, and never more; no pad where the CTA is large enough already."""
+    """moe_configs.spread_pad: a CTA of ``smem`` bytes plus the pad (and up to STATIC_SMEM_MARGIN of the kernel's own)
+    fits the asked CTAs an SM where shared memory binds, and never more; no pad where the CTA is large enough
+    already."""
     for ctas in (2, 4, 6, 8):
         for smem in (4096, 17424, 30000):
             pad = spread_pad(arch, smem, ctas)
             assert pad % 16 == 0 and pad >= 0
-            for own in (0, moe_ops.STATIC_SMEM_MARGIN):
+            for own in (0, moe_configs.STATIC_SMEM_MARGIN):
                 fit = targets.resident_ctas(arch, 128, smem + pad + own, 32)
                 assert fit == ctas if pad else fit <= ctas, (ctas, smem, own)
     assert spread_pad(arch, 4096, None) == 0
 
 
 def test_down_gemm_is_spread_at_the_listed_token_counts(monkeypatch):
-    """moe.DOWN_MAX_CTAS_PER_SM: at M=1 the down GEMM (alone) holds the shared memory that keeps it to 6 CTAs an SM
-    of an H100 / H200; other M and the other kernels hold none."""
+    """moe_configs.DOWN_MAX_CTAS_PER_SM: at M=1 the down GEMM (alone) holds the shared memory that keeps it to 6 CTAs an
+    SM of an H100 / H200; other M and the other kernels hold none."""
     def pads(m):
-        c = moe_ops.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16")
+        c = moe_configs.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16")
         return {role: cfg.smem_pad for role, cfg in c.kernels() if role in ("gate/up", "down")}
 
     assert pads(2) == {"gate/up": 0, "down": 0}
     one = pads(1)
     assert one["gate/up"] == 0 and one["down"] > 0
-    down = moe_ops.step_configs(moe(), 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
-    assert targets.resident_ctas("sm_90a", 128, down.smem_bytes, 32) == moe_ops.DOWN_MAX_CTAS_PER_SM[1] == 6
-    monkeypatch.setattr(moe_ops, "DOWN_MAX_CTAS_PER_SM", {})
+    down = moe_configs.step_configs(moe(), 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    assert targets.resident_ctas("sm_90a", 128, down.smem_bytes, 32) == moe_configs.DOWN_MAX_CTAS_PER_SM[1] == 6
+    monkeypatch.setattr(moe_configs, "DOWN_MAX_CTAS_PER_SM", {})
     assert pads(1)["down"] == 0
 
 
 def test_slot_blocks_at_one_token_where_only_the_one_token_gemms_read_the_blocks(monkeypatch):
-    """moe.SLOT_BLOCKS: the route kernel skips the packing (MoERouteConfig.slot_blocks) at M = 1 with the router's
-    routes, where the gate/up GEMM rotates x itself and both GEMMs do the intermediate and the top-k sum; not for the
-    caller's routes (they may repeat an expert), nor from two tokens, nor behind an input rotation launch."""
+    """moe_configs.SLOT_BLOCKS: the route kernel skips the packing (MoERouteConfig.slot_blocks) at M = 1 with the
+    router's routes, where the gate/up GEMM rotates x itself and both GEMMs do the intermediate and the top-k sum; not
+    for the caller's routes (they may repeat an expert), nor from two tokens, nor behind an input rotation launch."""
     def slot(m, given=False, **layer):
-        return moe_ops.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16").route.slot_blocks
+        return moe_configs.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16").route.slot_blocks
 
     assert slot(1) and slot(1, shared="gated")
     assert not slot(1, given=True) and not slot(2) and not slot(8)
-    monkeypatch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", 0)  # an input rotation launch, which reads expert_row
+    monkeypatch.setattr(moe_configs, "RESIDENT_INPUT_TOKENS", 0)  # an input rotation launch, which reads expert_row
     assert not slot(1)
     with pytest.raises(ValueError, match="slot_blocks"):
         MoERouteConfig("given", 128, 8, slot_blocks=True)
 
 
 def test_down_gemm_is_spread_only_where_it_fits_one_wave_at_the_cap():
-    """moe.down_cap: a down grid larger than DOWN_MAX_CTAS_PER_SM a SM on every SM keeps its CTAs unpadded (a wide
-    layer's M=1 down GEMM would otherwise take a second wave); the 30B layer's 768 CTAs fit 6 x 132."""
+    """moe_configs.down_cap: a down grid larger than DOWN_MAX_CTAS_PER_SM a SM on every SM keeps its CTAs unpadded (a
+    wide layer's M=1 down GEMM would otherwise take a second wave); the 30B layer's 768 CTAs fit 6 x 132."""
     wide = moe(num_experts=256, hidden_p=7168, inter_p=2048)
-    down = moe_ops.step_configs(wide, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    down = moe_configs.step_configs(wide, 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
     assert down.smem_pad == 0
-    assert moe_ops.down_cap(1, 768, 132) == 6 and moe_ops.down_cap(1, 793, 132) is None
-    assert moe_ops.down_cap(2, 100, 132) is None
+    assert moe_configs.down_cap(1, 768, 132) == 6 and moe_configs.down_cap(1, 793, 132) is None
+    assert moe_configs.down_cap(2, 100, 132) is None
 
 
 def test_early_prologue_loads_at_one_token(monkeypatch):
-    """moe.EARLY_PROLOGUE_LOADS: the gate/up GEMM that rotates x itself issues its prologue's loads first
+    """moe_configs.EARLY_PROLOGUE_LOADS: the gate/up GEMM that rotates x itself issues its prologue's loads first
     (MoEGemmConfig.early_prologue_loads) at M = 1 only (from two tokens it rotates several rows)."""
     def early(m):
-        c = moe_ops.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16").groups[0].gate_up
+        c = moe_configs.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16").groups[0].gate_up
         return c.input is not None, c.early_prologue_loads
 
     assert early(1) == (True, True) and early(2) == (True, False) and early(16)[1] is False
-    monkeypatch.setattr(moe_ops, "EARLY_PROLOGUE_LOADS", False)
+    monkeypatch.setattr(moe_configs, "EARLY_PROLOGUE_LOADS", False)
     assert early(1) == (True, False)

@@ -165,10 +165,10 @@ def test_dense_warpgroup_gemm_takes_up_to_eight_stages():
     # a caller's own stages take the standard layout, not half of the small one
     cfg = plan_gemm(64, linear(4096, 14336), 132, arch="sm_90a", k_tiles_per_stage=4).config
     assert (cfg.rolled, cfg.stages) == (False, 8)
-    from exl3tool.ops import moe
+    from exl3tool.ops import moe_configs
 
-    assert moe.gemm_config(4.0, "mcg", 2, 64, wgmma=True).mainloop.rolled  # moe.WGMMA_BLOCK_LAYOUT
-    assert not moe.gemm_config(4.0, "mcg", 2, 320, wgmma=True).mainloop.rolled
+    assert moe_configs.gemm_config(4.0, "mcg", 2, 64, wgmma=True).mainloop.rolled  # moe_configs.WGMMA_BLOCK_LAYOUT
+    assert not moe_configs.gemm_config(4.0, "mcg", 2, 320, wgmma=True).mainloop.rolled
 
 
 @pytest.mark.parametrize("arch,sms", [("sm_90a", 132), ("sm_120a", 170)])

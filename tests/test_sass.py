@@ -119,17 +119,17 @@ def test_warpgroup_mma_registers_stay_within_the_planners_budget(tg, bits, codeb
 def test_320_row_moe_blocks_fit_the_register_file_without_spills(bits, codebook):
     """sm_90a's 320-row MoE route blocks (gate/up and down GEMMs): 160 fp32 accumulators a lane beside the decode,
     within ``WGMMA_REGISTERS[40]``, no spills, two HGMMAs (N = 256 and 64) per decoded k-tile. Their stages pass
-    through mbarriers (moe.MBARRIER_MIN_ROWS): the only CTA barriers left initialise them."""
-    from exl3tool.ops import moe
+    through mbarriers (moe_configs.MBARRIER_MIN_ROWS): the only CTA barriers left initialise them."""
+    from exl3tool.ops import moe_configs
     from exl3tool.ops.targets import WGMMA_REGISTERS
 
     for planes in (2, 1):
-        cfg = moe.gemm_config(bits, codebook, planes, 320, wgmma=True)
+        cfg = moe_configs.gemm_config(bits, codebook, planes, 320, wgmma=True)
         k = sass.gemm_report(cfg, "sm_90a")
         assert k.registers <= WGMMA_REGISTERS[40] and k.frame_bytes == 0 and k.spill_instructions == 0, (
             planes, k.registers, k.frame_bytes)
-        # The main loop (the one of both MMAs; moe.SKIP_PADDING_TAIL adds one of the N = 256 MMAs alone) issues a
-        # stage's MMAs behind one warpgroup.arrive, as one group: none is fenced apart (ptxas' C7519).
+        # The main loop (the one of both MMAs; moe_configs.SKIP_PADDING_TAIL adds one of the N = 256 MMAs alone) issues
+        # a stage's MMAs behind one warpgroup.arrive, as one group: none is fenced apart (ptxas' C7519).
         loop = k.main_loop.instructions
         hgmma = [i for i in loop if i.root == "HGMMA"]
         stages = len(hgmma) // (2 * cfg.k_tiles_per_stage)
@@ -164,11 +164,11 @@ def test_warpgroup_mma_stages_never_write_a_fragments_that_running_mmas_read(kin
     stage waits only for the MMAs of the stage before the last, so every consecutive pair of stages in the loop, the
     last and the first included, reads disjoint registers; rolled (``GemmConfig.rolled``: M <= 64, 64-row MoE blocks),
     each stage first waits for every MMA of the warpgroup."""
-    from exl3tool.ops import moe
+    from exl3tool.ops import moe_configs
 
     what, rows = kind.split()
     cfg = (planned_gemm_config(4.0, "mcg", int(rows), "sm_90a") if what == "dense"
-           else moe.gemm_config(4.0, "mcg", 2, int(rows), wgmma=True))
+           else moe_configs.gemm_config(4.0, "mcg", 2, int(rows), wgmma=True))
     main = cfg if what == "dense" else cfg.mainloop
     assert main.mma == "wgmma" and main.rolled == (rows == "64")
     loop = sass.gemm_report(cfg, "sm_90a").main_loop
@@ -201,21 +201,21 @@ def test_eight_warp_decode_fits_sixteen_warps_per_sm(arch):
 
 
 def test_launch_bounds_trade_registers_for_ctas_an_sm(monkeypatch):
-    """moe.MIN_CTAS_PER_SM -> MoEGemmConfig.min_ctas_per_sm: launch bounds that make ptxas fit that many CTAs an SM.
-    The 32-row gate/up GEMM with the fused intermediate takes more than 64 registers on sm_90a (3 CTAs of 8 warps);
+    """moe_configs.MIN_CTAS_PER_SM -> MoEGemmConfig.min_ctas_per_sm: launch bounds that make ptxas fit that many CTAs an
+    SM. The 32-row gate/up GEMM with the fused intermediate takes more than 64 registers on sm_90a (3 CTAs of 8 warps);
     bounded to 4 CTAs it takes at most 64, with the same MMAs. Down, not named, gets no bounds."""
-    from exl3tool.ops import moe
+    from exl3tool.ops import moe_configs
     from exl3tool.kernels.moe_gemm import MoEGemmConfig
 
     def gate_up():
-        return moe.gemm_config(4.0, "mcg", 2, 32, tokens=256, intermediate_splits=1, ready_signal=True,
-                               x2_order=moe.x_order(32))
+        return moe_configs.gemm_config(4.0, "mcg", 2, 32, tokens=256, intermediate_splits=1, ready_signal=True,
+                               x2_order=moe_configs.x_order(32))
 
     free = gate_up()
-    monkeypatch.setattr(moe, "MIN_CTAS_PER_SM", {(32, 2): 4})
+    monkeypatch.setattr(moe_configs, "MIN_CTAS_PER_SM", {(32, 2): 4})
     bounded = gate_up()
     assert (free.min_ctas_per_sm, bounded.min_ctas_per_sm) == (0, 4)
-    assert moe.gemm_config(4.0, "mcg", 1, 32, tokens=256, ready_wait=True).min_ctas_per_sm == 0
+    assert moe_configs.gemm_config(4.0, "mcg", 1, 32, tokens=256, ready_wait=True).min_ctas_per_sm == 0
     free_k, bounded_k = sass.gemm_report(free, "sm_90a"), sass.gemm_report(bounded, "sm_90a")
     assert free_k.registers > 64 >= bounded_k.registers, (free_k.registers, bounded_k.registers)
     assert bounded_k.main_loop.mmas == free_k.main_loop.mmas
@@ -375,22 +375,22 @@ def test_fused_epilogue_loads_a_batch_of_splits_before_adding_them():
 
 
 def test_rotation_and_intermediate_launch_bounds_trade_registers_for_ctas_an_sm(monkeypatch):
-    """moe.INPUT_ROTATION_MIN_CTAS_PER_SM / INTERMEDIATE_MIN_CTAS_PER_SM -> the M=4096 plan's tensor-core input
+    """moe_configs.INPUT_ROTATION_MIN_CTAS_PER_SM / INTERMEDIATE_MIN_CTAS_PER_SM -> the M=4096 plan's tensor-core input
     rotation and Intermediate launch take launch bounds: ptxas fits that many 4-warp CTAs an SM (sm_90a)."""
     from dataclasses import replace
     from exl3tool.bench.sassreport import _analyze, moe_layer
     from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig
-    from exl3tool.ops import moe, moe_kernels
+    from exl3tool.ops import moe_configs, moe_kernels
 
     layer = moe_layer(SimpleNamespace(experts=128, top_k=8, hidden=2048, intermediate=768), 4.0, "mcg")
 
     def planned():
-        g = moe.step_configs(layer, 4096, False, "sm_90a", 132, "float16", "float16").groups[0]
+        g = moe_configs.step_configs(layer, 4096, False, "sm_90a", 132, "float16", "float16").groups[0]
         return g.rotation, g.intermediate
 
     free = planned()
-    monkeypatch.setattr(moe, "INPUT_ROTATION_MIN_CTAS_PER_SM", 6)
-    monkeypatch.setattr(moe, "INTERMEDIATE_MIN_CTAS_PER_SM", 10)
+    monkeypatch.setattr(moe_configs, "INPUT_ROTATION_MIN_CTAS_PER_SM", 6)
+    monkeypatch.setattr(moe_configs, "INTERMEDIATE_MIN_CTAS_PER_SM", 10)
     bounded = planned()
     assert [c.min_ctas_per_sm for c in free] == [0, 0] and [c.min_ctas_per_sm for c in bounded] == [6, 10]
     assert free[0].hadamard == "mma" and bounded == tuple(replace(f, min_ctas_per_sm=n) for f, n in zip(free, (6, 10)))

@@ -4,9 +4,9 @@ GEMMs), main-loop SASS per decoded weight by pipe.
 
 The kernels are the ones the planners pick for the requested K, codebook and token counts. A linear
 (`exl3tool.ops.linear.plan_gemm`): the decode GEMM per token-group count, its fused-epilogue variant (M <= 8), the
-dequantize kernel, the fold kernel (large M) and the two rotations. A MoE block (`exl3tool.ops.moe.step_configs`,
-for the arch's typical SM count): each step's route, input rotation, gate/up and down GEMMs, Intermediate and top-k
-sum, where they are launches of their own.
+dequantize kernel, the fold kernel (large M) and the two rotations. A MoE block
+(`exl3tool.ops.moe_configs.step_configs`, for the arch's typical SM count): each step's route, input rotation, gate/up
+and down GEMMs, Intermediate and top-k sum, where they are launches of their own.
 """
 
 from __future__ import annotations
@@ -111,11 +111,11 @@ def _run(jobs, arch: str, progress) -> tuple[SassRow, ...]:
 
 
 def moe_layer(spec, bits: float, codebook: str):
-    """The ``moe.LayerShape`` of a synthetic MoE block (``MoESpec``, Qwen3-MoE routing, one expert group of K
+    """The ``moe_configs.LayerShape`` of a synthetic MoE block (``MoESpec``, Qwen3-MoE routing, one expert group of K
     ``bits`` / ``codebook``)."""
     from exl3tool.format import padded
     from exl3tool.kernels.moe_route import MoERouteConfig
-    from exl3tool.ops.moe import GroupShape, LayerShape
+    from exl3tool.ops.moe_configs import GroupShape, LayerShape
 
     experts = GroupShape(float(bits), codebook, float(bits), codebook, padded(spec.intermediate))
     return LayerShape(MoERouteConfig("softmax_topk", spec.experts, spec.top_k), padded(spec.hidden), (experts,))
@@ -126,7 +126,7 @@ def moe_sass_report(arch: str, specs, bits=(4.0,), codebook: str = "mcg", tokens
     """The fused MoE's kernels for each block in ``specs`` (``MoESpec``) at each token count: every distinct config
     once, labelled with the token counts that launch it."""
     from exl3tool.kernels.moe_gemm import MoEGemmConfig
-    from exl3tool.ops.moe import step_configs
+    from exl3tool.ops.moe_configs import step_configs
     from exl3tool.ops.moe_kernels import BUILDERS
     from exl3tool.ops.targets import typical_sms
     from exl3tool.sass import gemm_report, nvdisasm_path

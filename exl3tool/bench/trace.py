@@ -13,7 +13,8 @@ did work (min, p10, median, p90, max), the same for the CTAs that arrived last (
 phase's length a CTA, and the CTAs an SM. One expert group's GEMMs (the regions are by kernel). The timer ticks in
 32 ns on an H100 / H200.
 
-What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs (``moe.DOWN_MAX_CTAS_PER_SM``).
+What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs
+(``moe_configs.DOWN_MAX_CTAS_PER_SM``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from exl3tool.format import MoEBlock
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.ops import moe as moe_ops
+from exl3tool.ops import moe_configs
 from exl3tool.ops import targets
 from exl3tool.ops.moe import DeviceMoE, moe_forward, plan_moe, routes
 from exl3tool.prepared import load_prepared, prepare_checkpoint
@@ -267,7 +268,7 @@ def test_skewed_routing_empty_experts_and_one_expert_for_all(synthetic, m):
     moe = reader.moe(0, device="cuda")
     plan = plan_moe(DeviceMoE.from_layer(moe), m)
     if m == 1100:
-        assert plan.step(m, True).shape.block_rows == (256 if moe_ops.has_wgmma(plan.arch) else 128)
+        assert plan.step(m, True).shape.block_rows == (256 if targets.has_wgmma(plan.arch) else 128)
     k, e = moe.routing.top_k, moe.num_experts
     x = (torch.randn(m, moe.hidden, device="cuda") * 0.1).half()
     cases = {
@@ -317,7 +318,7 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
     128 columns over every group's launch), shared experts' group included. Each is bit-identical to the launch
     it replaces (split halves off: they round each weight differently), also on a second call (arrival counters
     back at zero), and the launch count says which ran."""
-    monkeypatch.setattr(moe_ops, "split_halves", lambda *args: False)
+    monkeypatch.setattr(moe_configs, "split_halves", lambda *args: False)
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     groups = len(dmoe.groups)
     for m in ms:
@@ -325,10 +326,10 @@ def test_steps_fused_into_the_gemms_are_bit_identical_to_their_launches(syntheti
         outs = []
         for resident_tokens, fused_rows, topk_tokens in ((1, 8, 1), (0, 8, 0), (1, 0, 0), (0, 0, 1), (0, 0, 0)):
             with monkeypatch.context() as patch:
-                patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident_tokens)
-                patch.setattr(moe_ops, "FUSED_INTERMEDIATE_ROWS", fused_rows)
-                patch.setattr(moe_ops, "FUSED_TOPK_TOKENS", topk_tokens)
-                patch.setattr(moe_ops, "READY_COUNTERS_MIN_TOKENS", 1 << 30)  # (test_block_ready_counters_...)
+                patch.setattr(moe_configs, "RESIDENT_INPUT_TOKENS", resident_tokens)
+                patch.setattr(moe_configs, "FUSED_INTERMEDIATE_ROWS", fused_rows)
+                patch.setattr(moe_configs, "FUSED_TOPK_TOKENS", topk_tokens)
+                patch.setattr(moe_configs, "READY_COUNTERS_MIN_TOKENS", 1 << 30)  # (test_block_ready_counters_...)
                 plan = plan_moe(dmoe, max(ms))
                 assert plan.step(m, False).shape.fused_intermediate == (fused_rows > 0)  # one-wave grids here
                 per_group = 4 - (m <= resident_tokens) - (fused_rows > 0)
@@ -365,7 +366,7 @@ def test_resident_route_rows_change_no_bit(synthetic, name, ms, rotated, monkeyp
             route_row = plan.route_row[: m * k].long()
             assert torch.equal(plan.row_route[route_row].long(), torch.arange(m * k, device="cuda"))
             with monkeypatch.context() as patch:
-                patch.setattr(moe_ops, "RESIDENT_INPUT_TOKENS", resident)
+                patch.setattr(moe_configs, "RESIDENT_INPUT_TOKENS", resident)
                 made = [c.gate_up for c in plan.configs(m, False).groups]
                 assert all(c.resident_rows == (m if resident > 1 and takes else 1) for c in made)
                 assert all((c.input is not None) == (resident > 1 and takes) for c in made)
@@ -412,7 +413,7 @@ def layer_with(monkeypatch, dmoe, x, settings: dict):
     under ``settings`` (the plan plans afresh at each ``configs`` call: after this one, with moe's own settings)."""
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
-            patch.setattr(moe_ops, attribute, value)
+            patch.setattr(moe_configs, attribute, value)
         plan = plan_moe(dmoe, x.shape[0])
         made = launched_gemms(plan, x.shape[0], False)
         configs = plan.configs(x.shape[0], False)
@@ -434,9 +435,9 @@ def layer_with(monkeypatch, dmoe, x, settings: dict):
                                      ("k3.5-mul1-shared-gated", (1,))])
 def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
     """Behind a gate/up GEMM that does the intermediate, the down GEMM issues its first weight stage before its
-    PDL wait (moe.EARLY_DOWN_WEIGHTS: gate/up's next_after_loop, down's weights_before_wait): the same MMAs in the
-    same order, so y is bit-identical, eagerly (twice: the counters are back at zero) and in graph replay, with
-    one expert group or two (their down GEMMs share the top-k sum's counters) and the shared expert's."""
+    PDL wait (moe_configs.EARLY_DOWN_WEIGHTS: gate/up's next_after_loop, down's weights_before_wait): the same MMAs in
+    the same order, so y is bit-identical, eagerly (twice: the counters are back at zero) and in graph replay, with one
+    expert group or two (their down GEMMs share the top-k sum's counters) and the shared expert's."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
@@ -454,10 +455,10 @@ def test_down_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeyp
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (8, 16, 64, 256)), ("two-groups-k3-k5", (16,)),
                                      ("k3.5-mul1-shared-gated", (32,))])
 def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monkeypatch):
-    """From moe.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS the input rotation lets the mma.sync gate/up GEMM launch after its
-    wait and that GEMM issues its first weight stages before its own (8-, 16- and 32-row blocks here, one expert
-    group or two, the shared expert's): the same MMAs in the same order, so y is bit-identical to the GEMM that
-    waits first, eagerly (twice) and in graph replay."""
+    """From moe_configs.EARLY_GATE_UP_WEIGHTS_MIN_TOKENS the input rotation lets the mma.sync gate/up GEMM launch after
+    its wait and that GEMM issues its first weight stages before its own (8-, 16- and 32-row blocks here, one expert
+    group or two, the shared expert's): the same MMAs in the same order, so y is bit-identical to the GEMM that waits
+    first, eagerly (twice) and in graph replay."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
@@ -475,7 +476,7 @@ def test_gate_up_weights_before_its_wait_change_no_bit(synthetic, name, ms, monk
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64, 256)), ("two-groups-k3-k5", (1, 16, 40)),
                                      ("k3.5-mul1-shared-gated", (1, 32))])
 def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
-    """From moe.READY_COUNTERS_MIN_TOKENS gate/up does the intermediate and the down GEMM waits for each route
+    """From moe_configs.READY_COUNTERS_MIN_TOKENS gate/up does the intermediate and the down GEMM waits for each route
     block's ready counter instead of gate/up's whole grid (8- to 32-row blocks here, one expert group or two, the
     shared expert's): the same MMAs and the same intermediate code, so y is bit-identical to the Intermediate launch
     and the grid-wide wait, eagerly (twice) and in graph replay, with one launch fewer a group, and every arrival
@@ -506,7 +507,7 @@ def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (14, 64, 96)), ("two-groups-k3-k5", (16, 24)),
                                      ("k2-3inst-unnormalised", (16, 24))])
 def test_eight_warp_small_blocks_change_no_bit(synthetic, name, ms, monkeypatch):
-    """From moe.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS the 8- and 16-row route blocks take 8 warps a CTA (twice the
+    """From moe_configs.EIGHT_WARP_SMALL_BLOCK_MIN_TOKENS the 8- and 16-row route blocks take 8 warps a CTA (twice the
     columns a CTA; each column's MMAs, the intermediate and the block-ready counters as with 4, at the same K
     splits): y is bit-identical, eagerly (twice) and in graph replay (K=4 mcg, K=3 3inst and K=5 mcg groups, K=2
     3inst; 8 rows at the smaller M, 16 at the larger)."""
@@ -529,9 +530,9 @@ def test_eight_warp_small_blocks_change_no_bit(synthetic, name, ms, monkeypatch)
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_eight_warp_small_blocks_at_their_own_splits(synthetic, name, monkeypatch):
-    """With 4 in moe.EIGHT_WARP_SMALL_BLOCK_TOKENS the 8-row route blocks of M = 4 take 8-warp CTAs, whose gate/up
-    GEMM splits K three ways where 4 warps split it two: y is within MAX_REL of the fp32 reference, the same eagerly
-    (twice) and in graph replay, and within fp32 rounding of the 4-warp plan's."""
+    """With 4 in moe_configs.EIGHT_WARP_SMALL_BLOCK_TOKENS the 8-row route blocks of M = 4 take 8-warp CTAs, whose
+    gate/up GEMM splits K three ways where 4 warps split it two: y is within MAX_REL of the fp32 reference, the same
+    eagerly (twice) and in graph replay, and within fp32 rounding of the 4-warp plan's."""
     m = 4
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
@@ -554,7 +555,7 @@ def test_eight_warp_small_blocks_at_their_own_splits(synthetic, name, monkeypatc
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 256), ("qwen3-30b-shape-k4-mcg", 96),
                                     ("k2-3inst-unnormalised", 16)])
 def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
-    """moe.MIN_CTAS_PER_SM: launch bounds on the mma.sync route blocks' GEMMs change their registers (and may
+    """moe_configs.MIN_CTAS_PER_SM: launch bounds on the mma.sync route blocks' GEMMs change their registers (and may
     spill), not their arithmetic: y is bit-identical, eagerly (twice) and in graph replay (32-row gate/up at 4 CTAs
     an SM, 16-row both GEMMs at 6, 8-row K=2 3inst at 6)."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
@@ -571,10 +572,10 @@ def test_launch_bounds_change_no_bit(synthetic, name, m, monkeypatch):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, monkeypatch):
-    """moe.DOWN_MAX_CTAS_PER_SM at M=1, where each layer's down grid fits one wave at 6 CTAs an SM (moe.down_cap):
-    the down GEMM's CTAs hold shared memory they never touch (MoEGemmConfig.smem_pad), so that at most 6 fit an SM
-    (the 30B layer's needs a pad for it); the same code and arithmetic, so y is bit-identical, eagerly (twice) and
-    in graph replay, and within MAX_REL of the reference."""
+    """moe_configs.DOWN_MAX_CTAS_PER_SM at M=1, where each layer's down grid fits one wave at 6 CTAs an SM
+    (moe_configs.down_cap): the down GEMM's CTAs hold shared memory they never touch (MoEGemmConfig.smem_pad), so that
+    at most 6 fit an SM (the 30B layer's needs a pad for it); the same code and arithmetic, so y is bit-identical,
+    eagerly (twice) and in graph replay, and within MAX_REL of the reference."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
@@ -616,8 +617,8 @@ def one_token_setting_changes_no_bit(monkeypatch, synthetic, name, attribute, ch
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated",
                                   "gpt-oss-biased-swiglu"])
 def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
-    """moe.EARLY_PROLOGUE_LOADS: at one token the gate/up GEMM issues its prologue's loads of x and suh before its
-    weight copies (MoEGemmConfig.early_prologue_loads): the same values, so y is bit-identical, eagerly (twice) and
+    """moe_configs.EARLY_PROLOGUE_LOADS: at one token the gate/up GEMM issues its prologue's loads of x and suh before
+    its weight copies (MoEGemmConfig.early_prologue_loads): the same values, so y is bit-identical, eagerly (twice) and
     in graph replay, and within MAX_REL of the reference (gpt-oss's 576 pads to 640: lanes past x's width take the
     scalar path, zeros)."""
     def check(on, dmoe, made, plan, configs):
@@ -628,7 +629,7 @@ def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
-    """moe.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
+    """moe_configs.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
     instead of packing the routes by expert: each block's GEMM work is the same, so y is bit-identical, eagerly
     (twice) and in graph replay, and within MAX_REL of the reference; the blocks hold the slots' experts."""
     def check(on, dmoe, made, plan, configs):
@@ -642,9 +643,9 @@ def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
-    """moe.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks with gate/up's X in fragment order (the input rotation
-    writes it so, the GEMM reads a k-tile's B words by one 16-byte load) run the same MMAs as with X in rows: y is
-    bit-identical, eagerly (twice) and in graph replay, and within MAX_REL of the reference."""
+    """moe_configs.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks with gate/up's X in fragment order (the input
+    rotation writes it so, the GEMM reads a k-tile's B words by one 16-byte load) run the same MMAs as with X in rows: y
+    is bit-identical, eagerly (twice) and in graph replay, and within MAX_REL of the reference."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
@@ -663,10 +664,10 @@ def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypa
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
                                      ("two-groups-k3-k5", (2,))])
 def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, name, ms, monkeypatch):
-    """Up to moe.EARLY_ROUTE_NEXT_TOKENS the route kernel lets the next one launch right after its wait, and a group
-    of consecutive expert ids finds a block's row without the group_row table (moe.CONTIGUOUS_GROUP_ROWS: the
-    routed experts' group from 0, the shared expert's from E; interleaved groups keep the table): only the timing and
-    one index load change, so y is bit-identical, eagerly and in graph replay."""
+    """Up to moe_configs.EARLY_ROUTE_NEXT_TOKENS the route kernel lets the next one launch right after its wait, and a
+    group of consecutive expert ids finds a block's row without the group_row table (moe_configs.CONTIGUOUS_GROUP_ROWS:
+    the routed experts' group from 0, the shared expert's from E; interleaved groups keep the table): only the timing
+    and one index load change, so y is bit-identical, eagerly and in graph replay."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     firsts = {g.first_expert for g in dmoe.groups}
     want = {"qwen3-30b-shape-k4-mcg": {0}, "k3.5-mul1-shared-gated": {0, dmoe.num_experts},  # shared: id E
@@ -686,8 +687,8 @@ def test_route_early_launch_and_contiguous_group_rows_change_no_bit(synthetic, n
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (4, 8, 16)), ("two-groups-k3-k5", (16,)),
                                      ("k3.5-mul1-shared-gated", (8,))])
 def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, monkeypatch):
-    """8-row mma.sync route blocks whose K is not split pipeline 3 stages (moe.UNSPLIT_SYNC_PIPELINES, here 3 of 8
-    for both CTA sizes on this GPU's arch), split ones 2: the same MMAs in the same order, so y is bit-identical to 2
+    """8-row mma.sync route blocks whose K is not split pipeline 3 stages (moe_configs.UNSPLIT_SYNC_PIPELINES, here 3 of
+    8 for both CTA sizes on this GPU's arch), split ones 2: the same MMAs in the same order, so y is bit-identical to 2
     stages everywhere, eagerly and in graph replay."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     three = {moe_ops.target_arch(torch.device("cuda")).rstrip("af"): {(8, 4): (dict(stages=3),),
@@ -696,7 +697,7 @@ def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, mon
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for on in (True, False):
-            # 4 warps at M = 4 (not moe.EIGHT_WARP_SMALL_BLOCK_TOKENS' 8): gate/up splits K, down runs all of it
+            # 4 warps at M = 4 (not moe_configs.EIGHT_WARP_SMALL_BLOCK_TOKENS' 8): gate/up splits K, down runs all of it
             settings = {"UNSPLIT_SYNC_PIPELINES": three if on else {}, "EIGHT_WARP_SMALL_BLOCK_TOKENS": ()}
             y, made, plan, _ = layer_with(monkeypatch, dmoe, x, settings)
             shape = plan.step(m, False).shape
@@ -709,9 +710,9 @@ def test_three_stage_unsplit_route_blocks_change_no_bit(synthetic, name, ms, mon
 
 @pytest.mark.parametrize("m", [16, 64])
 def test_sixteen_k_tile_stages_change_no_bit(synthetic, m, monkeypatch):
-    """The unsplit GEMMs of 8-warp 8-row route blocks pipeline 2 stages of 16 k-tiles (moe.UNSPLIT_SYNC_PIPELINES on
-    sm_90; here on this GPU's arch either way) instead of 3 of 8: the same MMAs in the same order, so y is
-    bit-identical, eagerly and in graph replay."""
+    """The unsplit GEMMs of 8-warp 8-row route blocks pipeline 2 stages of 16 k-tiles
+    (moe_configs.UNSPLIT_SYNC_PIPELINES on sm_90; here on this GPU's arch either way) instead of 3 of 8: the same MMAs
+    in the same order, so y is bit-identical, eagerly and in graph replay."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     arch = moe_ops.target_arch(torch.device("cuda")).rstrip("af")
@@ -748,10 +749,10 @@ def test_x_column_order_changes_no_bit(synthetic, name, m, monkeypatch):
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
 
     def check(plan, rows):
-        assert (moe_ops.x_order(plan.step(m, False).shape.block_rows) == "fragments") == bool(rows)
+        assert (moe_configs.x_order(plan.step(m, False).shape.block_rows) == "fragments") == bool(rows)
 
-    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "FRAGMENT_ORDER_ROWS", (moe_ops.FRAGMENT_ORDER_ROWS, ()),
-                          check)
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_configs, "FRAGMENT_ORDER_ROWS",
+                          (moe_configs.FRAGMENT_ORDER_ROWS, ()), check)
 
 
 def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
@@ -766,28 +767,28 @@ def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
     def check(plan, codebooks):
         block_rows = plan.step(m, False).shape.block_rows
         assert block_rows == 64
-        assert moe_ops.gemm_config(4.0, "mcg", 2, block_rows).warps == (8 if codebooks else 4)
+        assert moe_configs.gemm_config(4.0, "mcg", 2, block_rows).warps == (8 if codebooks else 4)
 
     assert_no_bit_changes(monkeypatch, dmoe, x, targets, "EIGHT_WARP_CODEBOOKS", (targets.EIGHT_WARP_CODEBOOKS, ()),
                           check)
 
 
 def test_wide_route_blocks_change_no_bit(synthetic, monkeypatch):
-    """sm_90a's 320-row route blocks (moe.LARGEST_BLOCK_ROWS: two warpgroup MMAs a k-tile, N = 256 and 64) and
+    """sm_90a's 320-row route blocks (moe_configs.LARGEST_BLOCK_ROWS: two warpgroup MMAs a k-tile, N = 256 and 64) and
     256-row ones multiply each output column by the same k-tiles in the same order as 128-row ones, so y is
     bit-identical."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     m = 4096
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    if not moe_ops.has_wgmma(moe_ops.target_arch(x.device)):
+    if not targets.has_wgmma(moe_ops.target_arch(x.device)):
         pytest.skip("256-row route blocks need warpgroup MMAs (sm_90a)")
 
     def check(plan, largest):
         assert plan.step(m, False).shape.block_rows == largest["wgmma"]
 
-    assert moe_ops.LARGEST_BLOCK_ROWS["wgmma"] == 320
-    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "LARGEST_BLOCK_ROWS",
-                          (moe_ops.LARGEST_BLOCK_ROWS, {"sync": 128, "wgmma": 256}, {"sync": 128, "wgmma": 128}),
+    assert moe_configs.LARGEST_BLOCK_ROWS["wgmma"] == 320
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_configs, "LARGEST_BLOCK_ROWS",
+                          (moe_configs.LARGEST_BLOCK_ROWS, {"sync": 128, "wgmma": 256}, {"sync": 128, "wgmma": 128}),
                           check)
 
 
@@ -799,15 +800,15 @@ def test_x_in_stages_order_changes_no_bit(synthetic, monkeypatch, largest):
     from exl3tool.ops import targets
 
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
-    if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
+    if not targets.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
         pytest.skip("the stages order is the warpgroup-MMA GEMM's (sm_90a)")
-    monkeypatch.setattr(moe_ops, "LARGEST_BLOCK_ROWS", {"sync": 128, "wgmma": largest})
+    monkeypatch.setattr(moe_configs, "LARGEST_BLOCK_ROWS", {"sync": 128, "wgmma": largest})
     m = 4096
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
 
     def check(plan, min_tokens):
         rows = plan.step(m, False).shape.block_rows
-        assert rows == largest and moe_ops.x_order(rows, False, True) == ("stages" if min_tokens == 256 else "rows")
+        assert rows == largest and moe_configs.x_order(rows, False, True) == ("stages" if min_tokens == 256 else "rows")
 
     assert targets.WGMMA_STAGES_MIN_TOKENS == 256
     assert_no_bit_changes(monkeypatch, dmoe, x, targets, "WGMMA_STAGES_MIN_TOKENS", (256, 1 << 30), check)
@@ -827,7 +828,7 @@ def routed_and_given(monkeypatch, dmoe, x, given, weights, settings: dict):
     m = x.shape[0]
     with monkeypatch.context() as patch:
         for attribute, value in settings.items():
-            patch.setattr(moe_ops, attribute, value)
+            patch.setattr(moe_configs, attribute, value)
         plan = plan_moe(dmoe, m)
         made = launched_gemms(plan, m, False, True)
         poison(plan)
@@ -839,13 +840,13 @@ def routed_and_given(monkeypatch, dmoe, x, given, weights, settings: dict):
 
 def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
     """320-row route blocks whose row 256 is padding skip their N = 64 MMAs and those rows' partial stores
-    (moe.SKIP_PADDING_TAIL): y bit-identical to the blocks that compute every row, with the scratch NaN-poisoned
+    (moe_configs.SKIP_PADDING_TAIL): y bit-identical to the blocks that compute every row, with the scratch NaN-poisoned
     (nothing reads a skipped row), for the router's routes and for given ones that put 0, 1, 255, 256, 257, 320,
     321, 640 and 641 routes on single experts (blocks just below, at and past each edge)."""
     reader = synthetic("qwen3-30b-shape-k4-mcg")
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
-    if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
+    if not targets.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
         pytest.skip("320-row route blocks are sm_90a's")
     m, k, e = 4096, moe.routing.top_k, moe.num_experts
     given = given_routes(m, k, e, [256, 257, 320, 321, 0, 1, 255, 640, 641])
@@ -868,10 +869,10 @@ def test_padding_tail_skip_changes_no_bit(synthetic, monkeypatch):
                                          (384, 64, (2, 4, 6, 8))])
 def test_skipping_empty_token_groups_changes_no_bit(synthetic, m, rows, loops, monkeypatch):
     """16-, 32- and 64-row mma.sync route blocks multiply only their token groups that hold routes, rounded up to a
-    count of the main loops compiled, and store only their partials (moe.GROUP_LOOPS): y bit-identical to blocks that
-    multiply every group, with the scratch NaN-poisoned (nothing reads a padding row), for the router's routes and
-    for given ones that put 0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 63, 64 and 65 routes on single
-    experts (each group edge of a block, and a second and third block), and within MAX_REL of the reference."""
+    count of the main loops compiled, and store only their partials (moe_configs.GROUP_LOOPS): y bit-identical to blocks
+    that multiply every group, with the scratch NaN-poisoned (nothing reads a padding row), for the router's routes and
+    for given ones that put 0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 63, 64 and 65 routes on single experts
+    (each group edge of a block, and a second and third block), and within MAX_REL of the reference."""
     reader = synthetic("qwen3-30b-shape-k4-mcg")
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
@@ -899,18 +900,18 @@ def test_skipping_empty_token_groups_changes_no_bit(synthetic, m, rows, loops, m
 
 
 def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
-    """320-row route blocks hand their warpgroup-MMA stages over through mbarriers (moe.MBARRIER_MIN_ROWS,
+    """320-row route blocks hand their warpgroup-MMA stages over through mbarriers (moe_configs.MBARRIER_MIN_ROWS,
     GemmConfig.mbarriers) instead of a CTA barrier per stage: the same MMAs in the same order, so y is bit-identical
     to the CTA-barrier loop's, at 320-row blocks (M=4096) and, forced, at 64-row ones (M=1024)."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
-    if not moe_ops.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
+    if not targets.has_wgmma(moe_ops.target_arch(torch.device("cuda"))):
         pytest.skip("mbarrier stages are a pipeline of the warpgroup-MMA loop (sm_90a)")
     for m, rows in ((4096, 320), (1024, 64)):
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for min_rows in (rows, 1 << 30):
             with monkeypatch.context() as patch:
-                patch.setattr(moe_ops, "MBARRIER_MIN_ROWS", min_rows)
+                patch.setattr(moe_configs, "MBARRIER_MIN_ROWS", min_rows)
                 plan = plan_moe(dmoe, m)
                 poison(plan)
                 outs.append(moe_forward(x, plan).clone())
@@ -923,19 +924,21 @@ def test_mbarrier_stages_change_no_bit(synthetic, monkeypatch):
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 1024, 4096)),
                                      ("k3.5-mul1-shared-gated", (1, 64)), ("two-groups-k3-k5", (1, 40))])
 def test_expert_indexed_rows_change_no_bit(synthetic, name, ms, monkeypatch):
-    """moe.EXPERT_INDEXED_ROWS: the input rotation and the Intermediate launch take a route's group row as its expert
-    minus the group's first id where the group's ids are consecutive (the shared expert's group too), and the top-k
-    sum (a launch, or the down GEMM's fused tail at M = 1) a slot's down_svh row as its expert where those rows are
-    the ids; two groups of interleaved ids keep the tables. The launches take the setting, and y is bit-identical."""
+    """moe_configs.EXPERT_INDEXED_ROWS: the input rotation and the Intermediate launch take a route's group row as its
+    expert minus the group's first id where the group's ids are consecutive (the shared expert's group too), and the
+    top-k sum (a launch, or the down GEMM's fused tail at M = 1) a slot's down_svh row as its expert where those rows
+    are the ids; two groups of interleaved ids keep the tables. The launches take the setting, and y is
+    bit-identical."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     tables = name == "two-groups-k3-k5"
-    assert moe_ops.svh_rows_are_ids(dmoe.groups) != tables and all((g.first_expert < 0) == tables for g in dmoe.groups)
+    assert moe_configs.svh_rows_are_ids(dmoe.groups) != tables
+    assert all((g.first_expert < 0) == tables for g in dmoe.groups)
     for m in ms:
         x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
         outs = []
         for on in (False, True):
             with monkeypatch.context() as patch:
-                patch.setattr(moe_ops, "EXPERT_INDEXED_ROWS", on)
+                patch.setattr(moe_configs, "EXPERT_INDEXED_ROWS", on)
                 plan = plan_moe(dmoe, m)
                 kernels = [c for _, c in plan.configs(m, False).kernels()]
                 firsts = [c.group_first for c in kernels if isinstance(c, (RouteInputRotationConfig, IntermediateConfig))]
@@ -950,10 +953,10 @@ def test_expert_indexed_rows_change_no_bit(synthetic, name, ms, monkeypatch):
 
 def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
     """The Intermediate launch computes each 128-column block of a row the same way however many blocks a warp
-    takes (moe.INTERMEDIATE_MAX_BLOCKS_PER_WARP) and however many values a lane holds (moe.INTERMEDIATE_LANE_VALUES:
-    8 where the blocks a warp are even), whether it knows the route block size at compile time
-    (moe.INTERMEDIATE_CONSTANT_BLOCK_ROWS) and whether its warps go by packed row or by route
-    (moe.INTERMEDIATE_BY_ROUTE), so y is bit-identical; the launched kernel is the planned config."""
+    takes (moe_configs.INTERMEDIATE_MAX_BLOCKS_PER_WARP) and however many values a lane holds
+    (moe_configs.INTERMEDIATE_LANE_VALUES: 8 where the blocks a warp are even), whether it knows the route block size at
+    compile time (moe_configs.INTERMEDIATE_CONSTANT_BLOCK_ROWS) and whether its warps go by packed row or by route
+    (moe_configs.INTERMEDIATE_BY_ROUTE), so y is bit-identical; the launched kernel is the planned config."""
     dmoe = DeviceMoE.from_layer(synthetic("qwen3-30b-shape-k4-mcg").moe(0, device="cuda"))
     m = 1024
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
@@ -963,16 +966,17 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
             (1, 4, True, False), (2, 4, True, False), (3, 4, True, False), (2, 8, True, False), (3, 8, True, False),
             (2, 8, False, False), (6, 8, True, False), (6, 8, True, True), (2, 8, True, True), (1, 4, False, True)):
         with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", {"float32": most, "float16": most})
-            patch.setattr(moe_ops, "INTERMEDIATE_LANE_VALUES", lane_values)
-            patch.setattr(moe_ops, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", constant)
-            patch.setattr(moe_ops, "INTERMEDIATE_BY_ROUTE", {"float32": by_route, "float16": by_route})
+            patch.setattr(moe_configs, "INTERMEDIATE_MAX_BLOCKS_PER_WARP", {"float32": most, "float16": most})
+            patch.setattr(moe_configs, "INTERMEDIATE_LANE_VALUES", lane_values)
+            patch.setattr(moe_configs, "INTERMEDIATE_CONSTANT_BLOCK_ROWS", constant)
+            patch.setattr(moe_configs, "INTERMEDIATE_BY_ROUTE", {"float32": by_route, "float16": by_route})
             plan = plan_moe(dmoe, m)
             shape = plan.step(m, False).shape
-            order = moe_ops.group_x_orders(plan.arch, dmoe.groups[0], shape)[1]
+            order = moe_configs.group_x_orders(plan.arch, dmoe.groups[0], shape)[1]
             wanted = IntermediateConfig(shape.splits13, order, most, lane_values if most % 2 == 0 else 4,
-                                        shape.block_rows if constant else 0, moe_ops.partials_dtype(m, shape.splits13),
-                                        by_route=by_route, group_first=moe_ops.indexed_first(dmoe.groups[0]))
+                                        shape.block_rows if constant else 0,
+                                        moe_configs.partials_dtype(m, shape.splits13), by_route=by_route,
+                                        group_first=moe_configs.indexed_first(dmoe.groups[0]))
             inter = [fn for launch, fn, _ in plan.step(m, False).launches if launch is moe_ops.K.launch_intermediate]
             assert blocks % most == 0 and inter == [moe_ops.K.compiled(wanted, plan.arch)]
             poison(plan)
@@ -984,7 +988,7 @@ def test_intermediate_blocks_per_warp_change_no_bit(synthetic, monkeypatch):
                                     ("two-groups-k3-k5", 1), ("deepseek-grouped-sigmoid", 3),
                                     ("k3.5-mul1-shared-gated", 16)])
 def test_half_partials_stay_as_close_to_the_reference(synthetic, name, m, monkeypatch):
-    """GEMMs of one K split store their partials in fp16 from moe.HALF_PARTIALS_MIN_TOKENS tokens on: every such
+    """GEMMs of one K split store their partials in fp16 from moe_configs.HALF_PARTIALS_MIN_TOKENS tokens on: every such
     launch and the one that sums its partials take ``partials`` float16, the rest float32 (here: 320-row warpgroup
     blocks; 8-row blocks with the fused intermediate and block-ready counters; one token with the resident input
     and the fused top-k sum; 3 tokens' resident rows; gate/up unsplit beside a split down). With the scratch
@@ -997,7 +1001,7 @@ def test_half_partials_stay_as_close_to_the_reference(synthetic, name, m, monkey
     outs = {}
     for half in (True, False):
         with monkeypatch.context() as patch:  # plan.configs plans anew: under the same setting as the launches
-            patch.setattr(moe_ops, "HALF_PARTIALS_MIN_TOKENS", 1 if half else m + 1)
+            patch.setattr(moe_configs, "HALF_PARTIALS_MIN_TOKENS", 1 if half else m + 1)
             y, _, plan, _ = layer_with(monkeypatch, dmoe, x, {})
             c = plan.configs(m, False)
         launched = launched_partials(c)
@@ -1020,7 +1024,7 @@ ODD_HIDDEN = dict(arch="qwen3_moe", hidden=260, moe_intermediate=256, num_expert
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 1024), ("qwen3-30b-shape-k4-mcg", 4096),
                                     ("hidden-intermediate-4096", 300), ("two-groups-k3-k5", 1000), ("odd-hidden", 900)])
 def test_input_rotation_on_tensor_cores_matches_the_shuffle_rotation(synthetic, tmp_path, name, m, monkeypatch):
-    """Warpgroup-MMA route blocks rotate their input on the tensor cores (moe.INPUT_ROTATION_MMA: a warp per 8
+    """Warpgroup-MMA route blocks rotate their input on the tensor cores (moe_configs.INPUT_ROTATION_MMA: a warp per 8
     routes, their two planes as the MMAs' rows, kernels.hadamard_mma; suh prescaled by 2^suh_shift): the launched
     kernel is that config, and y is within fp16 rounding of the shuffle rotation's and as close to the fp32
     reference, with the scratch NaN-poisoned (hidden 260: the zero columns past x)."""
@@ -1036,19 +1040,20 @@ def test_input_rotation_on_tensor_cores_matches_the_shuffle_rotation(synthetic, 
     outs = {}
     for mma in (True, False):
         with monkeypatch.context() as patch:
-            patch.setattr(moe_ops, "INPUT_ROTATION_MMA", mma)
+            patch.setattr(moe_configs, "INPUT_ROTATION_MMA", mma)
             plan = plan_moe(dmoe, m)
             step = plan.step(m, False)
             block_rows = step.shape.block_rows
             assert step.shape.wgmma
-            order = moe_ops.x_order(block_rows, False, True)
+            order = moe_configs.x_order(block_rows, False, True)
             launched = [fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
             for g in dmoe.groups:
                 assert 1 / 2 <= max(g.gate_suh.abs().max(), g.up_suh.abs().max()) * 2.0 ** g.suh_shift <= 1
                 want = (RouteInputRotationConfig("float16", k, x_order=order, hadamard="mma", suh_shift=g.suh_shift,
-                                                 group_first=moe_ops.indexed_first(g))
-                        if mma else moe_ops.input_rotation_config(g, True, order, *moe_ops.input_rotation_layout(
-                            m, dmoe.hidden_padded // 128, k, plan.sm_count), "float16", k))
+                                                 group_first=moe_configs.indexed_first(g))
+                        if mma else moe_configs.input_rotation_config(
+                            g, True, order, *moe_configs.input_rotation_layout(m, dmoe.hidden_padded // 128, k,
+                                                                               plan.sm_count), "float16", k))
                 assert want.hadamard == ("mma" if mma else "shuffle")
                 assert moe_ops.K.compiled(want, plan.arch) in launched
             poison(plan)
@@ -1068,7 +1073,7 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
     """The route input rotation with 8 values a lane (a warp per two 128-blocks, 16-byte x and X; with hidden 384 a
     half-warp past the last block stores nothing) and a token's slots split over 1, 2 or 4 CTAs writes the same X
     as with 4 values a lane, so y is bit-identical; the launched kernel is the planned config."""
-    monkeypatch.setattr(moe_ops, "INPUT_ROTATION_MMA", False)  # the shuffle rotation's layouts
+    monkeypatch.setattr(moe_configs, "INPUT_ROTATION_MMA", False)  # the shuffle rotation's layouts
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     k = dmoe.route.routes_per_token
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
@@ -1076,8 +1081,8 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
     for lane_values, slot_groups in ((4, 0), (8, 1), (8, 2), (8, 4)):
         with monkeypatch.context() as patch:
             # slot_groups 0: the 4-value rule as planned for m; else 8 values from any M
-            patch.setattr(moe_ops, "WIDE_ROTATION_PAIRS_PER_SM", 10**9 if slot_groups == 0 else 0)
-            patch.setattr(moe_ops, "WIDE_ROTATION", (lane_values, slot_groups))
+            patch.setattr(moe_configs, "WIDE_ROTATION_PAIRS_PER_SM", 10**9 if slot_groups == 0 else 0)
+            patch.setattr(moe_configs, "WIDE_ROTATION", (lane_values, slot_groups))
             plan = plan_moe(dmoe, m)
             step = plan.step(m, False)
             if slot_groups:
@@ -1085,9 +1090,9 @@ def test_input_rotation_lane_values_change_no_bit(synthetic, name, m, monkeypatc
                 wgmma = shape.wgmma
                 for g in dmoe.groups:
                     cfg = RouteInputRotationConfig("float16", k, min(slot_groups, k),
-                                                   moe_ops.group_x_orders(plan.arch, g, shape)[0], lane_values,
-                                                   early_next=moe_ops.early_gate_up(m, False, wgmma),
-                                                   group_first=moe_ops.indexed_first(g))
+                                                   moe_configs.group_x_orders(plan.arch, g, shape)[0], lane_values,
+                                                   early_next=moe_configs.early_gate_up(m, False, wgmma),
+                                                   group_first=moe_configs.indexed_first(g))
                     assert moe_ops.K.compiled(cfg, plan.arch) in [
                         fn for launch, fn, _ in step.launches if launch is moe_ops.K.launch_input_rotation]
             poison(plan)
@@ -1107,7 +1112,7 @@ def test_route_tiles_change_no_bit(synthetic, monkeypatch):
     def check(plan, tiles_for):  # the plan's arrival counters: one per token block, one for the last
         assert plan.counters.numel() == -(-m // tiles_for(m)["token_tile"]) + 1
 
-    assert_no_bit_changes(monkeypatch, dmoe, x, moe_ops, "tiles_for", tiles, check)
+    assert_no_bit_changes(monkeypatch, dmoe, x, moe_configs, "tiles_for", tiles, check)
 
 
 def test_each_token_is_independent_of_the_batch(synthetic):
