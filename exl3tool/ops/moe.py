@@ -43,7 +43,6 @@ from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_configs
 from exl3tool.ops import moe_kernels as K
 from exl3tool.ops.launch import KERNEL_DTYPES, to_ffi
-from exl3tool.ops.moe_configs import StepConfigs, StepShape, group_x_orders, step_configs, step_shape
 from exl3tool.ops.runtime import require_gpu, target_arch
 from exl3tool.ops.workspace import counters
 
@@ -230,7 +229,7 @@ def _shared_group(mlp, expert_id: int, on, name, activation: str, limit: float,
 
 @dataclass
 class _Step:
-    shape: StepShape
+    shape: moe_configs.StepShape
     launches: list = field(default_factory=list)  # (launcher, compiled fn, args) run in order
     y: torch.Tensor | None = None
 
@@ -246,7 +245,7 @@ class MoEPlan:
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         cfg = dmoe.route
         k, e_r = cfg.routes_per_token, cfg.router_rows
-        shapes = [step_shape(dmoe, m, self.sm_count, self.arch) for m in range(1, max_tokens + 1)]
+        shapes = [moe_configs.step_shape(dmoe, m, self.sm_count, self.arch) for m in range(1, max_tokens + 1)]
         h_p = dmoe.hidden_padded
         i_p = max(g.intermediate_padded for g in dmoe.groups)
         rows = max(s.rows for s in shapes)
@@ -256,7 +255,6 @@ class MoEPlan:
         self.weights = new(max_tokens * k, torch.float32)
         self.rank = new(max_tokens * k, torch.int32)
         # arrival counters (one per route token block, one for the last block) and per-expert counts: kept at zero
-        # (the route configs' tiles: moe_configs.tiles_for, where a test may replace it)
         token_blocks = max(math.ceil(m / moe_configs.tiles_for(m)["token_tile"]) for m in range(1, max_tokens + 1))
         self.counters = torch.zeros(token_blocks + 1, dtype=torch.int32, device=device)
         self.counts = torch.zeros(cfg.packed_experts, dtype=torch.int32, device=device)
@@ -268,7 +266,7 @@ class MoEPlan:
         x_halves = x2_halves = 0
         for s in shapes:
             for g in dmoe.groups:
-                order13, order2 = group_x_orders(self.arch, g, s)
+                order13, order2 = moe_configs.group_x_orders(self.arch, g, s)
                 x_halves = max(x_halves, 2 * s.rows * x_row_halves(h_p, order13))
                 x2_halves = max(x2_halves, s.rows * x_row_halves(i_p, order2))
         self.xr = new(x_halves, torch.float16)
@@ -291,9 +289,9 @@ class MoEPlan:
         """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
         return len(self.configs(tokens, given).kernels())
 
-    def configs(self, tokens: int, given: bool) -> StepConfigs:
+    def configs(self, tokens: int, given: bool) -> moe_configs.StepConfigs:
         """What a call with ``tokens`` tokens compiles and launches here (``step_configs``)."""
-        return step_configs(self.dmoe, tokens, given, self.arch, self.sm_count, KERNEL_DTYPES[self.x_dtype],
+        return moe_configs.step_configs(self.dmoe, tokens, given, self.arch, self.sm_count, KERNEL_DTYPES[self.x_dtype],
                             KERNEL_DTYPES[self.out_dtype])
 
     def step(self, tokens: int, given: bool) -> _Step:
