@@ -156,6 +156,9 @@ class MoEGemmConfig:
     partials: str = "float32"
     # The fused intermediate's gating (moe_rotate.Gating: the activation, its clamp, gate/up biases in mRot).
     gating: Gating = SILU_GATING
+    # The fused intermediate two rows a warp at a time (``intermediate_row``'s row pairs: 8 values a lane, a row a
+    # half-warp; the same bits), where a warp has an even number of the block's rows.
+    tail_row_pairs: bool = False
     # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
     # launched beside another kernel's last CTAs spreads over more SMs (moe_configs.spread_pad).
     smem_pad: int = 0
@@ -169,6 +172,8 @@ class MoEGemmConfig:
         if self.intermediate_splits and (self.planes != 2
                                          or not fuses_intermediate(self.tokens_per_cta, self.warps, self.warp_cols)):
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
+        if self.tail_row_pairs and (not self.intermediate_splits or self.tail_rows_per_warp % 2):
+            raise ValueError("tail_row_pairs is for the fused intermediate with an even number of rows a warp")
         if self.smem_pad % 16 or self.smem_pad < 0:
             raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
         if self.gating != SILU_GATING and not self.intermediate_splits:
@@ -222,6 +227,11 @@ class MoEGemmConfig:
     @property
     def tokens_per_cta(self) -> int:
         return 8 * self.token_groups
+
+    @property
+    def tail_rows_per_warp(self) -> int:
+        """Rows of the route block each warp of the fused intermediate takes (one, at one resident row)."""
+        return 1 if self.input is not None and self.resident_rows == 1 else self.tokens_per_cta // self.warps
 
     @property
     def term_words(self) -> int:
@@ -458,13 +468,21 @@ class MoEGemm(DecodeGemmKernel):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
                                              cfg.intermediate_splits, cfg.x2_order, gating=cfg.gating)
+                    elif cutlass.const_expr(cfg.tail_row_pairs):
+                        half = lane // 16
+                        for r in cutlass.range_constexpr(cfg.tail_rows_per_warp // 2):
+                            slots = [(2 * r + h) * cfg.warps + warp for h in range(2)]
+                            pair = [tail_route(cfg, mRowRoute, sRoute, tok0 + slot, slot) for slot in slots]
+                            pair_row = tok0 + cutlass.select_(half == 0, slots[0], slots[1])
+                            pair_live = cutlass.select_(half == 0, pair[0], pair[1]) >= 0
+                            if (pair[0] >= 0) | (pair[1] >= 0):  # warp-uniform: every lane loads both routes
+                                intermediate_row(mP, mRot, mX2, pair_row, p, block, lane, inter_true,
+                                                 cfg.intermediate_splits, cfg.x2_order, n=8, gating=cfg.gating,
+                                                 row_pair=True, live=pair_live)
                     else:
-                        for r in cutlass.range_constexpr(cfg.tokens_per_cta // cfg.warps):
+                        for r in cutlass.range_constexpr(cfg.tail_rows_per_warp):
                             row = tok0 + r * cfg.warps + warp
-                            if cutlass.const_expr(cfg.input is None):
-                                route = mRowRoute[row]
-                            else:  # this CTA's own record: the first CTA's row_route may not be written yet
-                                route = sRoute[r * cfg.warps + warp]
+                            route = tail_route(cfg, mRowRoute, sRoute, row, r * cfg.warps + warp)
                             if route >= 0:  # padding rows stay unwritten, as in Intermediate
                                 intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true,
                                                  cfg.intermediate_splits, cfg.x2_order, gating=cfg.gating)
@@ -493,6 +511,12 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
+
+
+def tail_route(cfg: MoEGemmConfig, mRowRoute: cute.Tensor, sRoute: cute.Tensor, row, slot):
+    """The route of the block's row ``row`` (its ``slot``-th) for the fused intermediate (-1: padding): row_route's,
+    or with resident rows this CTA's own record (the first CTA's row_route may not be written yet). Traced inline."""
+    return mRowRoute[row] if cfg.input is None else sRoute[slot]
 
 
 @cute.jit

@@ -430,18 +430,19 @@ class Intermediate:
 
 
 def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int, x_order: str, blocks: int = 1,
-                     n: int = 4, gating: Gating = SILU_GATING):
+                     n: int = 4, gating: Gating = SILU_GATING, row_pair: bool = False, live=None):
     """One warp, packed row ``row`` of group row ``p``, the ``blocks`` 128-column blocks of the intermediate from
     ``block`` (above): ``X2[row, b] = H128(gate(H128(gate) * gate_svh, H128(up) * up_svh) * down_suh)`` (``gate``:
     silu(g) * u or the clamped SwiGLU, g and u with their biases where ``gating`` says), ``n`` values a lane (4; or
-    8, two blocks at a time, lanes ``16h + l`` in block h: fewer butterfly exchanges, the same bits). Every block's
-    loads are issued first. The ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail
-    (``moe_gemm``). Traced inline."""
+    8, two blocks at a time, lanes ``16h + l`` in block h: fewer butterfly exchanges, the same bits). With
+    ``row_pair`` (n = 8) the two half-warps take the same blocks of two rows instead (``row``: each lane's own), and
+    a lane stores only where ``live`` holds (None: always). Every block's loads are issued first. The
+    ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
     inter_p = mRot.shape[1] // gating.planes  # X2 rows hold x_row_halves(inter_p) fp16
     lanes = 128 // n  # lanes a block
     loaded = []
-    for j in range(0, blocks, n // 4):
-        col0 = lane_column(block + j + lane // lanes, lane, n)
+    for j in range(0, blocks, 1 if row_pair else n // 4):
+        col0 = lane_column(block + j + (0 if row_pair else lane // lanes), lane, n)
         # gate svh, up svh, down suh (, gate bias, up bias)
         scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(gating.planes)]
         parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
@@ -461,7 +462,17 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
             hi = gate(g, u, gating) * down_suh[i]
             h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
         v = hadamard128(h, lane, None if fold else INV_SQRT_128)
-        store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
+        if live is None:
+            store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
+        else:
+            store_x_values_where(live, mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
+
+
+@cute.jit
+def store_x_values_where(live, x_addr, row, rows, width, col0, values, x_order: cutlass.Constexpr):
+    """``store_x_values`` by the lanes where ``live`` holds (a row pair's padding row stays unwritten)."""
+    if live:
+        store_x_values(x_addr, row, rows, width, col0, values, x_order)
 
 
 def silu(g, alpha: float = 1.0):

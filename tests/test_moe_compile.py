@@ -108,6 +108,33 @@ def test_gate_up_gemm_rotating_its_route_blocks_rows(arch, rows):
         dataclasses.replace(one, resident_rows=9)
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+@pytest.mark.parametrize("rows,resident", [(32, 0), (64, 0), (8, 2)])
+def test_fused_intermediate_in_row_pairs(arch, rows, resident):
+    """MoEGemmConfig.tail_row_pairs: the fused intermediate takes a warp's rows two at a time (8 values a lane, a row
+    a half-warp): the same main loop (MMAs, weight copies), 4 butterfly exchanges a value instead of 5 (a pair's
+    3 rotations: 3 x 8 x 4 shuffles, against 2 x 3 x 4 x 5 for its rows one by one), no spills; only for an even
+    number of rows a warp with the fused intermediate."""
+    base = gemm_config(4.0, "mcg", 2, rows, False, resident, intermediate_splits=1 if not resident else 3,
+                       **(dict(split_halves=True, x2_order="doubled") if resident else {}))
+    if resident:
+        base = dataclasses.replace(base, input="float16", resident_k_tiles=48, resident_rows=resident)
+    pairs = dataclasses.replace(base, tail_row_pairs=True)
+    assert base.tail_rows_per_warp % 2 == 0
+    ptx, plain = ptx_of(pairs, arch), ptx_of(base, arch)
+    assert ptx.count(MMA) == plain.count(MMA)
+    assert ptx.count("cp.async.cg.shared.global") == plain.count("cp.async.cg.shared.global")
+    per_warp = base.tail_rows_per_warp
+    assert plain.count("shfl.sync.bfly") - ptx.count("shfl.sync.bfly") == per_warp * 3 * 4 * 5 - per_warp // 2 * 96
+    from exl3tool.sass import gemm_report
+    kernel = gemm_report(pairs, arch)
+    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
+    with pytest.raises(ValueError):  # one row a warp: 8-row blocks at 8 warps
+        dataclasses.replace(gemm_config(4.0, "mcg", 2, 8, False, 16, intermediate_splits=1), tail_row_pairs=True)
+    with pytest.raises(ValueError):  # no fused intermediate
+        dataclasses.replace(gemm_config(4.0, "mcg", 2, rows), tail_row_pairs=True)
+
+
 @pytest.mark.parametrize("planes,splits", [(2, 0), (2, 3), (1, 0)])
 def test_split_halves_gemms_read_doubled_inputs(planes, splits):
     """8-row blocks with split halves: two MMAs per tile, B words loaded doubled (no doubling in the loop); the
@@ -162,6 +189,8 @@ def test_grouped_gemm_other_archs(arch):
                    shared="ungated"),
     MoERouteConfig("sigmoid_noaux_tc", 16, 2, n_group=1, correction_bias=False),
     MoERouteConfig("given", 128, 8, shared="gated"),
+    MoERouteConfig("softmax_topk", 128, 8, expert_tile=32, token_tile=32, pack_by_warps=True),
+    MoERouteConfig("softmax_topk", 60, 4, shared="gated", pack_by_warps=True),
 ], ids=str)
 def test_route_compiles(config):
     ptx = ptx_of(config)

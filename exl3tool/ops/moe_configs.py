@@ -180,6 +180,16 @@ GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}  # 64: see SYNC_BELOW_M
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
 FUSED_INTERMEDIATE_CTAS_PER_SM = 10
+# Route blocks of these sizes whose gate/up GEMM does the intermediate take two of a warp's rows at a time there
+# (MoEGemmConfig.tail_row_pairs: 8 values a lane, a row a half-warp; the same bits): half the chains of dependent
+# loads, butterflies and stores in the last CTA's tail, which the per-CTA trace put at up to 11.9 us beside 15-37 us
+# main loops at M=256 (H100, s62). Not 8- and 16-row blocks: 8 more registers there cost a CTA an SM (sm_90a, 16
+# rows at 8 warps 46 -> 62 registers, 5 -> 4 CTAs; 8 rows at 4 warps (M=2) 54 -> 62, 9 -> 8); 32 rows 72 -> 80
+# and 64 rows 116 -> 118 keep theirs (3 and 2). H100, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical,
+# us, () -> (32, 64), three rounds: M=256 225.31 -> 224.04 (GEMM kernels 220.25 -> 216.03), M=192 209.16 -> 209.24
+# (201.35 -> 199.89); two rounds: M=256 227.70 -> 225.40, M=384 300.30 -> 299.18; with 16 too, M=96 179.70 ->
+# 178.16, M=128 185.54 -> 186.29 (docs/perf.md, sixty-third session).
+FUSED_TAIL_ROW_PAIRS = (32, 64)
 # Pipelines (stages, k-tiles a stage) of the mma.sync route blocks whose K is not split (each CTA runs the whole K:
 # at hidden 2048 / intermediate 768, 16 stages of 8 k-tiles of gate/up, 6 of down), by (block rows, warps a CTA), in
 # order of preference: the first whose stage divides the GEMM's k-tiles. The main loop is unrolled over 3 or 4
@@ -278,6 +288,12 @@ STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemm
 # trace put the packing at 0.93 us of M=1's route. H100, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y
 # bit-identical, us: M=1 23.60 -> 22.36 (docs/perf.md, sixty-first session).
 SLOT_BLOCKS = True
+# The route's packing writes the block table and the padding rows a warp an expert (MoERouteConfig.pack_by_warps),
+# not a thread an expert one row after another: the per-CTA trace put the packing CTA's last 2.1 / 2.9 / 10 us
+# (M=16 / 256 / 4096, 8- / 32- / 320-row blocks) after the last top-k (H100, s62). Lost: H100, E=128 top-8 2048x768
+# K=4 mcg, layer graph, two rounds, y bit-identical, route kernel us (off -> on): M=16 7.88 -> 12.75, M=256 13.59 ->
+# 17.48, M=384 21.58 -> 23.24; M=4096 60.32 -> 58.39 (docs/perf.md, sixty-third session).
+ROUTE_PACK_BY_WARPS = False
 # At one token the gate/up GEMM that rotates x itself issues its prologue's loads of x and suh before its weight
 # copies (MoEGemmConfig.early_prologue_loads): the trace put that prologue's end 1.1-6.5 us after the PDL wait at M=1
 # (median 2.0; 3.9 on the CTAs that arrive last), while the loop after it is issue-bound; an L2 prefetch of the suh
@@ -615,7 +631,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, pack_by_warps=ROUTE_PACK_BY_WARPS,
+                    **tiles_for(tokens))
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
@@ -648,6 +665,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         rotation = None if resident13 is not None else replace(
             input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
         g13 = resident13 or replace(g13, weights_before_wait=early13)
+        if s.fused_intermediate and s.block_rows in FUSED_TAIL_ROW_PAIRS and g13.tail_rows_per_warp % 2 == 0:
+            g13 = replace(g13, tail_row_pairs=True)
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:

@@ -755,6 +755,24 @@ def test_x_column_order_changes_no_bit(synthetic, name, m, monkeypatch):
                           (moe_configs.FRAGMENT_ORDER_ROWS, ()), check)
 
 
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 2), ("qwen3-30b-shape-k4-mcg", 8),
+                                    ("qwen3-30b-shape-k4-mcg", 128), ("qwen3-30b-shape-k4-mcg", 256),
+                                    ("qwen3-30b-shape-k4-mcg", 384), ("k3.5-mul1-shared-gated", 96),
+                                    ("gpt-oss-biased-swiglu", 200)])
+def test_fused_tail_row_pairs_change_no_bit(synthetic, name, m, monkeypatch):
+    """moe_configs.FUSED_TAIL_ROW_PAIRS: the gate/up GEMM's fused intermediate takes two rows a warp at a time (8
+    values a lane, a row a half-warp; padding rows unwritten): the same butterflies in the same order, so y is
+    bit-identical, eagerly (twice) and in graph replay; the resident rows of M=2 and gpt-oss's gating included."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for on in (True, False):
+        y, made, _, _ = layer_with(monkeypatch, dmoe, x, {"FUSED_TAIL_ROW_PAIRS": (8, 16, 32, 64) if on else ()})
+        assert [c.tail_row_pairs for c in made if c.planes == 2] == [on] * len(dmoe.groups), (name, m)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), (name, m)
+
+
 def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
     """64-row mcg route blocks run their GEMMs with 8 warps (targets.decode_warps): each output column's sums are
     the same MMAs in the same order as with 4, so y is bit-identical."""
@@ -1129,17 +1147,22 @@ def test_each_token_is_independent_of_the_batch(synthetic):
         assert torch.equal(routes(plan, 1)[0], ids[t: t + 1])
 
 
+@pytest.mark.parametrize("by_warps", [True, False])
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
-def test_route_packing_one_token_block_or_several(synthetic, name):
+def test_route_packing_one_token_block_or_several(synthetic, name, by_warps, monkeypatch):
     """Around the route kernel's one-token-block path (counts in shared memory, M <= 8): every route has its own
-    rank inside its expert, the experts' first rows are the prefix sums of their padded counts, the counters and
-    counts are back at zero after each call, and a token's logits are the same whatever the batch."""
-    plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 64)
+    rank inside its expert, the experts' first rows are the prefix sums of their padded counts, each expert's blocks
+    and only those hold it in the block table (the rest -1), its rows after its routes are padding (row_route -1) and
+    its routes' rows hold routes to it, on poisoned scratch; the counters and counts are back at zero after each
+    call, and a token's logits are the same whatever the batch; the packing by warps or by threads
+    (moe_configs.ROUTE_PACK_BY_WARPS)."""
+    monkeypatch.setattr(moe_configs, "ROUTE_PACK_BY_WARPS", by_warps)
+    plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 256)
     cfg = plan.dmoe.route
     k, e_r, e_p = cfg.routes_per_token, cfg.router_rows, cfg.packed_experts
-    x = (torch.randn(64, plan.dmoe.hidden, device="cuda") * 0.1).to(plan.x_dtype)
+    x = (torch.randn(256, plan.dmoe.hidden, device="cuda") * 0.1).to(plan.x_dtype)
     logits = {}
-    for m in (1, 8, 9, 16, 17, 32, 33, 64):
+    for m in (1, 8, 9, 16, 17, 32, 33, 64, 100, 256):
         poison(plan)
         moe_forward(x[:m].contiguous(), plan)
         assert not plan.counters.any() and not plan.counts.any(), m
@@ -1147,12 +1170,21 @@ def test_route_packing_one_token_block_or_several(synthetic, name):
         count = torch.bincount(ids, minlength=e_p)
         for e in range(e_p):
             assert torch.equal(rank[ids == e].sort().values, torch.arange(count[e].item(), device="cuda")), (m, e)
+        assert plan.configs(m, False).route.pack_by_warps == by_warps
         t = plan.step(m, False).shape.block_rows
         padded = (count + t - 1) // t * t
         if plan.configs(m, False).route.slot_blocks:  # one token: route block j is slot j's, no packing
             assert m == 1 and torch.equal(plan.block_expert[:k].long(), ids)
         else:
-            assert torch.equal(plan.expert_row.long(), padded.cumsum(0) - padded), m
+            first = padded.cumsum(0) - padded
+            assert torch.equal(plan.expert_row.long(), first), m
+            owner = torch.full_like(plan.block_expert[: plan.step(m, False).shape.blocks], -1)
+            for e in range(e_p):
+                rows = slice(first[e].item(), first[e].item() + count[e].item())
+                owner[first[e].item() // t: (first[e] + padded[e]).item() // t] = e
+                assert (ids[plan.row_route[rows].long()] == e).all(), (m, e)
+                assert (plan.row_route[rows.stop: first[e].item() + padded[e].item()] == -1).all(), (m, e)
+            assert torch.equal(plan.block_expert[: owner.numel()], owner), m
         logits[m] = plan.logits[: m * e_r].view(m, e_r).clone()
     for m, got in logits.items():
-        assert torch.equal(got.view(torch.int32), logits[64][:m].view(torch.int32)), m
+        assert torch.equal(got.view(torch.int32), logits[256][:m].view(torch.int32)), m
