@@ -91,9 +91,6 @@ class MoERouteConfig:
     # prefix sum and CTA barriers: 0.93 us of the route's 5.1 at M=1 on an H100, exl3tool.bench.trace). Only the
     # one-token GEMMs read the blocks then, by expert (moe_gemm's prologue), never expert_row nor padding rows.
     slot_blocks: bool = False
-    # The packing's block table and padding rows written by every warp, an expert a warp and its rows across the
-    # lanes, instead of a thread an expert writing its (up to block_rows - 1) padding rows one by one.
-    pack_by_warps: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -308,14 +305,14 @@ class MoERoute:
             elif single:
                 cute.arch.sync_threads()  # every route counted in sCount
                 self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
-                          sRing, tid, True)
+                          tid, True)
             else:
                 # --- the last token block: pack the routes counted in mCounts ----------------------------------
                 last = mCounters.iterator.toint() + Int64(n_tb) * 4
                 ptx.count_in(last, n_tb, sFlag, 1, tid)
                 if sFlag[1] != 0:
                     self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag,
-                              sScan, sRing, tid, False)
+                              sScan, tid, False)
                     if tid == 0:
                         ptx.st_global_u32(last, Int32(0))
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
@@ -667,7 +664,7 @@ class MoERoute:
     @cute.jit
     def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
              tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
-             sRing: cute.Tensor, tid: Int32, local: cutlass.Constexpr):
+             tid: Int32, local: cutlass.Constexpr):
         """One CTA: each expert's rows padded to ``block_rows``, in expert order. The counts come from ``sCount``
         when ``local`` (counted there by this CTA), else from ``mCounts``, zeroed for the next launch."""
         cfg = self.cfg
@@ -701,33 +698,15 @@ class MoERoute:
             start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
-        if cutlass.const_expr(cfg.pack_by_warps):
-            # each expert's first row through shared memory (the rings, idle since the logits), then a warp an expert
-            sStart = cute.make_tensor(cute.recast_ptr(sRing.iterator, dtype=Int32), cute.make_layout(experts))
-            for e in range(first, last):
-                mExpertRow[e] = start
-                sStart[e] = start
-                start = start + (sCount[e] + block_rows - 1) // block_rows * block_rows
-            cute.arch.sync_threads()
-            warp, lane = tid // 32, tid % 32
-            for e in range(warp, experts, WARPS):
-                first_row = sStart[e]
-                count = sCount[e]
-                end = first_row + (count + block_rows - 1) // block_rows * block_rows
-                for b in range(first_row // block_rows + lane, end // block_rows, 32):
-                    mBlockExpert[b] = e
-                for r in range(first_row + count + lane, end, 32):
-                    mRowRoute[r] = -1
-        else:
-            for e in range(first, last):
-                count = sCount[e]
-                blocks = (count + block_rows - 1) // block_rows
-                mExpertRow[e] = start
-                for b in range(blocks):
-                    mBlockExpert[start // block_rows + b] = e
-                for r in range(start + count, start + blocks * block_rows):
-                    mRowRoute[r] = -1
-                start = start + blocks * block_rows
-            cute.arch.sync_threads()
+        for e in range(first, last):
+            count = sCount[e]
+            blocks = (count + block_rows - 1) // block_rows
+            mExpertRow[e] = start
+            for b in range(blocks):
+                mBlockExpert[start // block_rows + b] = e
+            for r in range(start + count, start + blocks * block_rows):
+                mRowRoute[r] = -1
+            start = start + blocks * block_rows
+        cute.arch.sync_threads()
         for b in range(sFlag[2] + tid, mBlockExpert.shape[0], THREADS):
             mBlockExpert[b] = -1

@@ -189,8 +189,6 @@ def test_grouped_gemm_other_archs(arch):
                    shared="ungated"),
     MoERouteConfig("sigmoid_noaux_tc", 16, 2, n_group=1, correction_bias=False),
     MoERouteConfig("given", 128, 8, shared="gated"),
-    MoERouteConfig("softmax_topk", 128, 8, expert_tile=32, token_tile=32, pack_by_warps=True),
-    MoERouteConfig("softmax_topk", 60, 4, shared="gated", pack_by_warps=True),
 ], ids=str)
 def test_route_compiles(config):
     ptx = ptx_of(config)

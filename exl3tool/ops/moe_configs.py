@@ -288,12 +288,6 @@ STATIC_SMEM_MARGIN = 1024  # shared memory a GEMM kernel may hold beyond MoEGemm
 # trace put the packing at 0.93 us of M=1's route. H100, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y
 # bit-identical, us: M=1 23.60 -> 22.36 (docs/perf.md, sixty-first session).
 SLOT_BLOCKS = True
-# The route's packing writes the block table and the padding rows a warp an expert (MoERouteConfig.pack_by_warps),
-# not a thread an expert one row after another: the per-CTA trace put the packing CTA's last 2.1 / 2.9 / 10 us
-# (M=16 / 256 / 4096, 8- / 32- / 320-row blocks) after the last top-k (H100, s62). Lost: H100, E=128 top-8 2048x768
-# K=4 mcg, layer graph, two rounds, y bit-identical, route kernel us (off -> on): M=16 7.88 -> 12.75, M=256 13.59 ->
-# 17.48, M=384 21.58 -> 23.24; M=4096 60.32 -> 58.39 (docs/perf.md, sixty-third session).
-ROUTE_PACK_BY_WARPS = False
 # At one token the gate/up GEMM that rotates x itself issues its prologue's loads of x and suh before its weight
 # copies (MoEGemmConfig.early_prologue_loads): the trace put that prologue's end 1.1-6.5 us after the PDL wait at M=1
 # (median 2.0; 3.9 on the CTAs that arrive last), while the loop after it is issue-bound; an L2 prefetch of the suh
@@ -631,8 +625,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, pack_by_warps=ROUTE_PACK_BY_WARPS,
-                    **tiles_for(tokens))
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)

@@ -1147,16 +1147,13 @@ def test_each_token_is_independent_of_the_batch(synthetic):
         assert torch.equal(routes(plan, 1)[0], ids[t: t + 1])
 
 
-@pytest.mark.parametrize("by_warps", [True, False])
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
-def test_route_packing_one_token_block_or_several(synthetic, name, by_warps, monkeypatch):
+def test_route_packing_one_token_block_or_several(synthetic, name):
     """Around the route kernel's one-token-block path (counts in shared memory, M <= 8): every route has its own
     rank inside its expert, the experts' first rows are the prefix sums of their padded counts, each expert's blocks
     and only those hold it in the block table (the rest -1), its rows after its routes are padding (row_route -1) and
     its routes' rows hold routes to it, on poisoned scratch; the counters and counts are back at zero after each
-    call, and a token's logits are the same whatever the batch; the packing by warps or by threads
-    (moe_configs.ROUTE_PACK_BY_WARPS)."""
-    monkeypatch.setattr(moe_configs, "ROUTE_PACK_BY_WARPS", by_warps)
+    call, and a token's logits are the same whatever the batch."""
     plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 256)
     cfg = plan.dmoe.route
     k, e_r, e_p = cfg.routes_per_token, cfg.router_rows, cfg.packed_experts
@@ -1170,7 +1167,6 @@ def test_route_packing_one_token_block_or_several(synthetic, name, by_warps, mon
         count = torch.bincount(ids, minlength=e_p)
         for e in range(e_p):
             assert torch.equal(rank[ids == e].sort().values, torch.arange(count[e].item(), device="cuda")), (m, e)
-        assert plan.configs(m, False).route.pack_by_warps == by_warps
         t = plan.step(m, False).shape.block_rows
         padded = (count + t - 1) // t * t
         if plan.configs(m, False).route.slot_blocks:  # one token: route block j is slot j's, no packing
