@@ -14,7 +14,8 @@ With ``intermediate_splits`` (gate/up, small route blocks) the GEMM also does th
 (as ``gating`` says), saving its launch: every CTA counts in at its (route block, 128-column block of I) once its
 partials are written (both planes, every split: ``2 * 128/(16*warps) * splits`` arrivals, ``ptx.count_in``), and
 the last one sums the splits in order and writes X2 for the block's rows (``moe_rotate.intermediate_row``, the same
-code, so X2 is bit-identical), then resets the counter for the next launch.
+code, so X2 is bit-identical; with ``tail_row_pairs`` a warp's rows two at a time, a row a half-warp), then resets
+the counter for the next launch.
 
 With ``topk_sum`` (down at M = 1, routes chosen by the router: one per block, in its first row) the GEMM also
 does the ``TopKSum`` kernel's work: every CTA counts in at its 128-column block of the hidden dim (each route's
