@@ -155,6 +155,12 @@ def store_x_values(x_addr, row, rows, width, col0, values, x_order: str):
         ptx.st_global_u32(row_addr + Int64(word) * 4, ptx.pack_f32x2(values[h], values[h + 1], "float16"))
 
 
+def one_access(addr, col0, n: int, width, align: int):
+    """Do the ``n`` columns from ``col0`` lie inside a row ``width`` wide, from an ``align``-byte aligned ``addr``: one
+    vector load or store for all of them? (x and y rows may be strided views of any width.) Traced inline."""
+    return (col0 + n <= width) & ((addr & (align - 1)) == 0)
+
+
 @cute.jit
 def row_values(mX: cute.Tensor, row: Int32, col0: Int32, n: cutlass.Constexpr, dtype: cutlass.Constexpr):
     """``x[row, col0 .. col0+n-1]`` as ``n`` (4 or 8) Float32, columns past x's width zero. One vector load where
@@ -163,8 +169,7 @@ def row_values(mX: cute.Tensor, row: Int32, col0: Int32, n: cutlass.Constexpr, d
     v = cute.make_rmem_tensor(cute.make_layout(n), Float32)
     width = mX.shape[1]
     addr = mX.iterator.toint() + (Int64(row) * mX.stride[0] + col0) * 2
-    whole = col0 + n <= width
-    if whole and (addr & (2 * n - 1)) == 0:
+    if one_access(addr, col0, n, width, 2 * n):
         f = load_at(addr, dtype, n)
         for i in cutlass.range_constexpr(n):
             v[i] = f[i]
@@ -184,8 +189,7 @@ def store_row_values(mY: cute.Tensor, row: Int32, col0: Int32, values, out_type:
     n = len(values)
     elem = 4 if dtype == "float32" else 2
     addr = mY.iterator.toint() + (Int64(row) * mY.stride[0] + col0) * elem
-    whole = col0 + n <= mY.shape[1]
-    if whole and (addr & (cutlass.min(n * elem, 16) - 1)) == 0:
+    if one_access(addr, col0, n, mY.shape[1], min(n * elem, 16)):
         store_at(addr, values, dtype)
     else:
         for i in cutlass.range_constexpr(n):
@@ -243,7 +247,7 @@ def rotation_loads(mX: cute.Tensor, suh_matrix_addr: Int64, suh_width: Int32, su
         col0 = prologue_column(k_begin, n_blocks, r, warp, warps, lane)
         suh = ptx.ld_global_v2_b32(suh_matrix_addr + (Int64(suh_row) * suh_width + col0) * 2)
         addr = x_base + Int64(col0) * 2
-        vector = (col0 + 4 <= width) & ((addr & 7) == 0)
+        vector = one_access(addr, col0, 4, width, 8)
         out.append((suh, ptx.ld_global_v2_b32(cutlass.select_(vector, addr, x_base & Int64(-8))), vector, col0))
     return out
 
