@@ -40,6 +40,7 @@ from .rotate import (
     lane_column,
     load4,
     load_row,
+    one_access,
     row_values,
     store4,
     store_x_values,
@@ -52,7 +53,7 @@ def row_words(mX: cute.Tensor, row: Int32, col0: Int32):
     eight are inside the row and aligned (x rows may be strided views of any width), else by column."""
     w = cute.make_rmem_tensor(cute.make_layout(4), Int32)
     addr = mX.iterator.toint() + (Int64(row) * mX.stride[0] + col0) * 2
-    if col0 + 8 <= mX.shape[1] and (addr & 15) == 0:
+    if one_access(addr, col0, 8, mX.shape[1], 16):
         loaded = ptx.ld_global_v4_b32(addr)
         for i in cutlass.range_constexpr(4):
             w[i] = loaded[i]
