@@ -14,7 +14,8 @@ phase's length a CTA, and the CTAs an SM. One expert group's GEMMs (the regions 
 32 ns on an H100 / H200.
 
 What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs
-(``moe_configs.DOWN_MAX_CTAS_PER_SM``).
+(``moe_configs.DOWN_MAX_CTAS_PER_SM``). Later (M=16-256): the gate/up grid's CTAs without a route block entered last,
+as live ones ended, and the down GEMM launched only behind the last of them (``moe_configs.DEAD_BLOCKS_FIRST``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def live_ctas(stamps: np.ndarray, region: int) -> np.ndarray:
     return rows[(rows[:, -1] & ptx.TRACE_LIVE) != 0]
 
 
+def unused_ctas(stamps: np.ndarray, region: int, t0: int) -> np.ndarray:
+    """The rows of a region's CTAs that entered at ``t0`` or later (this call) without a route block to work on."""
+    from exl3tool.kernels import ptx
+
+    rows = stamps[region]
+    return rows[((rows[:, -1] & ptx.TRACE_LIVE) == 0) & (rows[:, ptx.TRACE_ENTRY] >= t0)]
+
+
 def spread(values) -> str:
     """min p10 median p90 max of ``values``, or "-"."""
     v = sorted(values)
@@ -100,6 +109,9 @@ def report(stamps: np.ndarray) -> list[str]:
         per_sm = np.unique(live[:, -1] >> 8, return_counts=True)[1]
         out.append(f"{name}: {len(live)} CTAs on {len(per_sm)} SMs ({per_sm.min()}-{per_sm.max()} an SM, median "
                    f"{statistics.median(per_sm.tolist()):g}), {len(last)} last to arrive")
+        unused = unused_ctas(stamps, region, t0)[:, ptx.TRACE_ENTRY]
+        if len(unused):  # the grid's blocks past the used ones: they hold a slot as they enter and leave
+            out.append(f"  {len(unused)} CTAs without a block entered {us(unused.min()):.2f}-{us(unused.max()):.2f}")
         for rows, prefix in ((live, ""), (last, "last ")):
             for p, point in enumerate(points):
                 # a point a CTA did not reach this call holds 0 or an earlier call's stamp: before t0

@@ -259,6 +259,13 @@ EXPERT_INDEXED_ROWS = True
 # one-token GEMMs (the down GEMM's top-k sum then counts in at mSumCounter), and lost: 24.73 -> 26.18 (s40; down's CTAs
 # launch early and spin beside gate/up).
 READY_COUNTERS_MIN_TOKENS = 4
+# Where gate/up hands X2 to down by block-ready counters and issues its weights before its wait, its grid's unused
+# route blocks come first (MoERouteConfig / MoEGemmConfig.dead_blocks_first: the packing writes gate/up's CTA row
+# order) and leave at once. Last in the grid, they entered only as live CTAs ended, and the down GEMM, launched once
+# every gate/up CTA has started, waited behind them: in the trace (H100) its first CTA entered 12 / 6 / 8 / 11 us
+# after gate/up's last live one at M=16 / 32 / 64 / 256, right behind the last unused one. Off until an A/B measures
+# it (built in the sixty-fourth session, which had no GPU time left for it; docs/perf.md).
+DEAD_BLOCKS_FIRST = False
 # Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
 # its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
 # takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
@@ -660,6 +667,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         g13 = resident13 or replace(g13, weights_before_wait=early13)
         if s.fused_intermediate and s.block_rows in FUSED_TAIL_ROW_PAIRS and g13.tail_rows_per_warp % 2 == 0:
             g13 = replace(g13, tail_row_pairs=True)
+        if DEAD_BLOCKS_FIRST and g13.ready_signal and g13.weights_before_wait and g13.input is None:
+            g13 = replace(g13, dead_blocks_first=True)
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
@@ -670,6 +679,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
         route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
+    if any(g.gate_up.dead_blocks_first for g in groups):
+        route = replace(route, dead_blocks_first=True)  # the packing writes gate/up's order
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
 
 
