@@ -1,11 +1,11 @@
 """exl3tool.bench.trace's report, read from made-up stamps (no GPU): each point's spread over the CTAs that did work,
-the last-to-arrive CTAs apart, each phase's length, the CTAs an SM."""
+the last-to-arrive CTAs apart, each phase's length, the CTAs an SM, the CTAs without a block, the GEMMs' slots."""
 
 import numpy as np
 import pytest
 import torch
 
-from exl3tool.bench.trace import live_ctas, main, report, spread
+from exl3tool.bench.trace import live_ctas, main, report, slot_budget, spread
 from exl3tool.kernels import ptx
 
 T0 = 5_000_000  # ns: the route's first entry
@@ -48,7 +48,7 @@ def test_report_spreads_points_and_phases():
     lines = report(made_up())
     assert lines[0].startswith("us from the route's first entry")
     s = sections(lines)
-    assert list(s) == ["route", "gate/up", "down"]
+    assert list(s) == ["route", "gate/up", "down", "GEMM slots"]
     assert s["gate/up"][""] == ["gate/up: 4 CTAs on 3 SMs (1-2 an SM, median 1), 1 last to arrive"]
     assert s["route"][""] == ["route: 2 CTAs on 2 SMs (1-1 an SM, median 1), 1 last to arrive"]
     # gate/up's loops end at 10, 11, 12, 13 us: min p10 median p90 max; the last CTA's at 13
@@ -63,6 +63,20 @@ def test_report_spreads_points_and_phases():
     assert s["route"]["top-k"] == ["4.00"] * 5
     assert s["route"]["entry"] == ["0.00", "0.00", "0.05", "0.10", "0.10"]
     assert s["down"]["d wait"] == ["2.00"] * 5
+    # the gate/up CTA without flags entered at 0.6 us; down had none
+    assert s["gate/up"]["unused"] == ["1", "CTAs", "without", "a", "block,", "entered", "0.60-0.60"]
+    assert "unused" not in s["down"]
+    assert lines[-1] == slot_budget(made_up(), T0)[0]
+
+
+def test_slot_budget_adds_up_to_the_span():
+    """SM 0 held two gate/up CTAs at once, SMs 1, 2 and 5 one GEMM CTA each: 5 slots from 0.5 to 22 us (21.5 us).
+    gate/up: entries 4 x 5.0, loops 4.5 + 5.5 + 6.5 + 7.5, tails 4 x 1.5; down: 2, 3 and 3; the rest idle."""
+    (line,) = slot_budget(made_up(), T0)
+    assert line == ("GEMM slots: 5 over 0.5-22.0 us, in us of every slot: gate/up entries 4.0, loops 4.8, tails 1.2; "
+                    "down entries 0.4, loops 0.6, tails 0.6; idle 9.9")
+    assert 4.0 + 4.8 + 1.2 + 0.4 + 0.6 + 0.6 + 9.9 == pytest.approx(21.5)
+    assert slot_budget(np.zeros_like(made_up()), T0) == []  # no GEMM CTA traced
 
 
 def test_report_says_when_nothing_was_traced():

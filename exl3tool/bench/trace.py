@@ -10,8 +10,8 @@ that prologue is done), and its SM id with a "last to arrive" flag. Outside it t
 report takes the last of MOE_COPIES L2-cold calls of one graph replay of the synthetic Qwen3-30B-A3B-shaped layer
 (as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry: each point's spread over the CTAs that
 did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
-phase's length a CTA, and the CTAs an SM. One expert group's GEMMs (the regions are by kernel). The timer ticks in
-32 ns on an H100 / H200.
+phase's length a CTA, the CTAs an SM, the CTAs without a route block, and where the GEMMs' CTA slots went
+(``slot_budget``). One expert group's GEMMs (the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
 
 What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs
 (``moe_configs.DOWN_MAX_CTAS_PER_SM``). Later (M=16-256): the gate/up grid's CTAs without a route block entered last,
@@ -111,7 +111,8 @@ def report(stamps: np.ndarray) -> list[str]:
                    f"{statistics.median(per_sm.tolist()):g}), {len(last)} last to arrive")
         unused = unused_ctas(stamps, region, t0)[:, ptx.TRACE_ENTRY]
         if len(unused):  # the grid's blocks past the used ones: they hold a slot as they enter and leave
-            out.append(f"  {len(unused)} CTAs without a block entered {us(unused.min()):.2f}-{us(unused.max()):.2f}")
+            out.append(f"  {'unused':14s}{len(unused)} CTAs without a block, entered {us(unused.min()):.2f}-"
+                       f"{us(unused.max()):.2f}")
         for rows, prefix in ((live, ""), (last, "last ")):
             for p, point in enumerate(points):
                 # a point a CTA did not reach this call holds 0 or an earlier call's stamp: before t0
@@ -121,7 +122,38 @@ def report(stamps: np.ndarray) -> list[str]:
                 continue
             took = [(y - x) / 1000.0 for x, y in zip(live[:, a], live[:, b]) if x >= t0 and y >= x]
             out.append(f"  {'d ' + phase:14s}{spread(took)}")
-    return out
+    return out + slot_budget(stamps, t0)
+
+
+def slot_budget(stamps: np.ndarray, t0: int) -> list[str]:
+    """Where the GEMMs' CTA slots went, from the first GEMM CTA's entry to the last one's end (us from ``t0``), each
+    SM holding as many slots as the most GEMM CTAs it held at once: the slot time of each GEMM's entries (entry to
+    the wait's end), loops (to the loop's end) and tails (to the CTA's end), and the idle rest (the unused CTAs'
+    brief stays included), each in us of every slot, so that they add up to the span."""
+    from exl3tool.kernels import ptx
+
+    gemms = [(name, live_ctas(stamps, region)) for name, region in (("gate/up", ptx.TRACE_GATE_UP),
+                                                                    ("down", ptx.TRACE_DOWN))]
+    gemms = [(name, rows) for name, rows in gemms if len(rows)]
+    if not gemms:
+        return []
+    every = np.concatenate([rows for _, rows in gemms])
+    begin, end = every[:, ptx.TRACE_ENTRY].min(), every[:, ptx.TRACE_END].max()
+    slots = 0
+    for sm in np.unique(every[:, -1] >> 8):  # the most CTAs at once: +1 at each entry, -1 at each end (ends first)
+        mine = every[(every[:, -1] >> 8) == sm]
+        events = sorted([(t, 1) for t in mine[:, ptx.TRACE_ENTRY]] + [(t, -1) for t in mine[:, ptx.TRACE_END]])
+        slots += int(np.cumsum([step for _, step in events]).max())
+    phases = (("entries", ptx.TRACE_ENTRY, ptx.TRACE_WAITED), ("loops", ptx.TRACE_WAITED, ptx.TRACE_LOOP),
+              ("tails", ptx.TRACE_LOOP, ptx.TRACE_END))
+    span = (end - begin) / 1000.0
+    parts, busy = [], 0.0
+    for name, rows in gemms:
+        took = [(phase, (rows[:, b] - rows[:, a]).sum() / 1000.0) for phase, a, b in phases]
+        busy += sum(t for _, t in took)
+        parts.append(f"{name} " + ", ".join(f"{phase} {t / slots:.1f}" for phase, t in took))
+    return [f"GEMM slots: {slots} over {(begin - t0) / 1000.0:.1f}-{(end - t0) / 1000.0:.1f} us, in us of every slot: "
+            + "; ".join(parts) + f"; idle {(span * slots - busy) / slots:.1f}"]
 
 
 def trace_layer(tokens: int, layers) -> tuple[float, np.ndarray]:

@@ -50,7 +50,8 @@ def test_trace_follows_the_kernels(layer, m, monkeypatch):
         assert unused[:, ptx.TRACE_ENTRY].max() < gate_up[:, ptx.TRACE_END].min()
     lines = report(stamps)
     assert lines[1].startswith(f"route: {len(route)} CTAs") and any(line.startswith("down:") for line in lines)
-    assert (m == 16) == any("without a block entered" in line for line in lines)
+    assert (m == 16) == any("without a block" in line for line in lines)
+    assert lines[-1].startswith("GEMM slots: ")
 
 
 def test_traced_layer_is_bit_identical_to_the_untraced(layer, seed):
