@@ -136,10 +136,11 @@ def test_fused_intermediate_in_row_pairs(arch, rows, resident):
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_gate_up_order_with_unused_blocks_first(arch):
+def test_gate_up_order_with_unused_blocks_first(arch, monkeypatch):
     """MoERouteConfig / MoEGemmConfig.dead_blocks_first: the route that also packs the gate/up order compiles, and
     the gate/up GEMM that reads it has the same MMAs and weight copies, no spills; only a gate/up GEMM with
     block-ready counters and its weights before its wait takes it, and slot blocks have no packing."""
+    monkeypatch.setattr(moe_configs, "DEAD_BLOCKS_FIRST", True)
     layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
                                    (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
     step = moe_configs.step_configs(layer, 16, False, arch, 132, "float16", "float16")
