@@ -63,7 +63,7 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
-from .moe_route import ORDER_EXPERT_BITS
+from .moe_route import order_fields
 from .moe_rotate import (
     PARTIALS_DTYPES,
     SILU_GATING,
@@ -354,10 +354,8 @@ class MoEGemm(DecodeGemmKernel):
         elif cutlass.const_expr(cfg.topk_sum is not None):
             sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
         expert = mBlockExpert[blk]
-        if cutlass.const_expr(cfg.dead_blocks_first):  # entry blk of the gate/up order: block << bits | expert
-            code = expert
-            blk = code >> ORDER_EXPERT_BITS  # -1: none
-            expert = cutlass.select_(code >= 0, code & ((1 << ORDER_EXPERT_BITS) - 1), Int32(-1))
+        if cutlass.const_expr(cfg.dead_blocks_first):  # entry blk of the gate/up order: (-1, -1) for none
+            blk, expert = order_fields(expert)
         p = group_row_of(mGroupRow, expert, cfg.group_first, mW.shape[1])
         if expert >= 0 and p >= 0:
             n_col_tiles = mW.shape[3]

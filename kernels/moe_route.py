@@ -73,6 +73,17 @@ NEG_INF_KEY = 0x007FFFFF  # ptx.order_key(-inf)
 ORDER_EXPERT_BITS = 11  # an ``order`` entry: block << 11 | expert (packed experts <= 1025)
 
 
+def order_entry(block, expert):
+    """The gate/up order's entry for route block ``block`` of ``expert``: both in one word (one load)."""
+    return (block << ORDER_EXPERT_BITS) | expert
+
+
+def order_fields(entry):
+    """(block, expert) of a gate/up order entry; (-1, -1) for -1 (an unused block). Traced inline."""
+    expert = cutlass.select_(entry >= 0, entry & ((1 << ORDER_EXPERT_BITS) - 1), Int32(-1))
+    return entry >> ORDER_EXPERT_BITS, expert
+
+
 @dataclass(frozen=True)
 class MoERouteConfig:
     method: str
@@ -724,7 +735,7 @@ class MoERoute:
             for b in range(blocks):
                 mBlockExpert[start // block_rows + b] = e
                 if cutlass.const_expr(self.cfg.dead_blocks_first):
-                    mOrder[unused + start // block_rows + b] = ((start // block_rows + b) << ORDER_EXPERT_BITS) | e
+                    mOrder[unused + start // block_rows + b] = order_entry(start // block_rows + b, e)
             for r in range(start + count, start + blocks * block_rows):
                 mRowRoute[r] = -1
             start = start + blocks * block_rows
