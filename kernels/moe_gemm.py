@@ -150,6 +150,9 @@ class MoEGemmConfig:
     # ``counter``: ``[blocks * I_p/128 + blocks]``.
     ready_signal: bool = False
     ready_wait: bool = False
+    # ready_wait: each down CTA counts itself out behind its first X copies (the main loop's prologue), not between
+    # its wait's barriers, so that the atomic's round trip overlaps the copies' instead of holding every warp.
+    count_out_behind_x: bool = False
     # > 0: launch bounds asking ptxas for this many CTAs an SM (registers at most 64K / (this x threads)); 0: none.
     min_ctas_per_sm: int = 0
     # P's dtype (PARTIALS_DTYPES): "float16" halves the bytes of P's stores and of the reads that sum them (the
@@ -202,6 +205,8 @@ class MoEGemmConfig:
             raise ValueError("dead_blocks_first is for gate/up with block-ready counters, its weights before its wait")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
+        if self.count_out_behind_x and not self.ready_wait:
+            raise ValueError("count_out_behind_x is ready_wait's")
         if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
                                  or self.input is not None or self.group_loops[-1] != self.token_groups
                                  or list(self.group_loops) != sorted(set(self.group_loops)) or self.group_loops[0] < 1):
@@ -423,16 +428,20 @@ class MoEGemm(DecodeGemmKernel):
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
                 wait = ptx.wait_for_prior_kernels if cfg.weights_before_wait else None
+                prologue = None
                 if cutlass.const_expr(cfg.ready_wait):
                     n_ib = k_tiles // 8
                     ready = block_ready_counter(mCounter, mBlockExpert, n_ib, blk)
                     gx, _, gz = cute.arch.grid_dim()
-                    wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
+                    behind = cfg.count_out_behind_x
+                    wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid, not behind)  # noqa: E731
+                    if cutlass.const_expr(behind):  # the main loop calls it behind its first X copies
+                        prologue = lambda sX: ptx.count_out(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
                 if cutlass.const_expr(wait is not None):
                     inner_wait = wait
                     wait = lambda: (inner_wait(), ptx.trace_stamp(region, ptx.TRACE_WAITED))  # noqa: E731
                 loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
-                             tok0, rows, k_begin, n_chunks, None, rows)
+                             tok0, rows, k_begin, n_chunks, prologue, rows)
                 if cutlass.const_expr(cfg.group_loops):
                     # a main loop per count of route-holding groups (a predicate per group and k-tile would still
                     # issue the skipped MMAs and loads), picked after the wait: the input rotation writes row_route

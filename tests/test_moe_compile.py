@@ -161,6 +161,31 @@ def test_gate_up_order_with_unused_blocks_first(arch, monkeypatch):
         dataclasses.replace(route, slot_blocks=True)
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_down_counts_out_behind_its_first_x_copies(arch, monkeypatch):
+    """MoEGemmConfig.count_out_behind_x: the down GEMM's count-out atomic comes behind its first X copies instead of
+    inside its wait (one atomic either way), with the same MMAs and copies, no spills; only a down GEMM that waits at
+    block-ready counters takes it."""
+    monkeypatch.setattr(moe_configs, "COUNT_OUT_BEHIND_X", True)
+    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
+                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
+    down = moe_configs.step_configs(layer, 16, False, arch, 132, "float16", "float16").groups[0].down
+    assert down.count_out_behind_x and down.ready_wait
+    ptx, plain = ptx_of(down, arch), ptx_of(dataclasses.replace(down, count_out_behind_x=False), arch)
+    assert ptx.count(MMA) == plain.count(MMA) > 0
+    assert ptx.count("cp.async.cg.shared.global") == plain.count("cp.async.cg.shared.global")
+    atomic = "atom.global.add.u32"
+    assert ptx.count(atomic) == plain.count(atomic) == 1, atomic
+    # behind the first X copies' commit here; before it (inside the wait) without the knob
+    first_commit = "cp.async.commit_group"
+    assert ptx.index(atomic) > ptx.index(first_commit) and plain.index(atomic) < plain.index(first_commit)
+    from exl3tool.sass import gemm_report
+    kernel = gemm_report(down, arch)
+    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
+    with pytest.raises(ValueError):
+        dataclasses.replace(down, ready_wait=False)
+
+
 @pytest.mark.parametrize("planes,splits", [(2, 0), (2, 3), (1, 0)])
 def test_split_halves_gemms_read_doubled_inputs(planes, splits):
     """8-row blocks with split halves: two MMAs per tile, B words loaded doubled (no doubling in the loop); the

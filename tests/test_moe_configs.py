@@ -124,6 +124,23 @@ def test_gate_up_takes_unused_blocks_first_where_its_weights_come_early(name, ar
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [*LAYERS, *MODELS])
+def test_down_counts_out_behind_its_x_where_it_waits_at_counters(name, arch, monkeypatch):
+    """moe_configs.COUNT_OUT_BEHIND_X: exactly the down GEMMs that wait at block-ready counters count out behind
+    their first X copies; with the knob off none does."""
+    d = {**LAYERS, **MODELS}[name]
+    for on in (True, False):
+        monkeypatch.setattr(moe_configs, "COUNT_OUT_BEHIND_X", on)
+        seen = set()
+        for tokens in (1, 2, 4, 16, 33, 256, 1024):
+            for g in step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16").groups:
+                assert g.down.count_out_behind_x == (on and g.down.ready_wait), (tokens, on)
+                assert not g.gate_up.count_out_behind_x
+                seen.add(g.down.ready_wait)
+        assert seen == {True, False}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
 def test_resident_route_rows_plan_where_the_gate_up_stages_take_them(name, arch, monkeypatch):
     """With RESIDENT_INPUT_TOKENS at 8 (the candidate), every step of 1-8 tokens plans: the gate/up GEMM takes the
     rows where its stages can (``GemmConfig.takes_input``) and they fit, else the input rotation launches. Found on

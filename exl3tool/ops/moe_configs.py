@@ -266,6 +266,11 @@ READY_COUNTERS_MIN_TOKENS = 4
 # after gate/up's last live one at M=16 / 32 / 64 / 256, right behind the last unused one. Off until an A/B measures
 # it (built in the sixty-fourth session, which had no GPU time left for it; docs/perf.md).
 DEAD_BLOCKS_FIRST = False
+# Where the down GEMM waits at block-ready counters, each CTA counts itself out behind its first X copies
+# (MoEGemmConfig.count_out_behind_x), not between its wait's barriers: in the trace (H100) every down CTA at M=16
+# found its block ready and still took 2.59 us (median) from entry to its wait's end, the count-out's atomic round
+# trip serial in it. Off until an A/B measures it (sixty-fifth session).
+COUNT_OUT_BEHIND_X = False
 # Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
 # its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
 # takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
@@ -673,6 +678,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
+        if COUNT_OUT_BEHIND_X and g2.ready_wait:
+            g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks
                                                                              * s.splits2, sm_count)))
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))

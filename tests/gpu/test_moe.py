@@ -804,6 +804,25 @@ def test_dead_blocks_first_change_no_bit(synthetic, name, m, monkeypatch):
     assert not outs[0][1].isnan().any() and torch.equal(outs[0][1], outs[1][1]), (name, m)
 
 
+@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 4), ("qwen3-30b-shape-k4-mcg", 16),
+                                    ("qwen3-30b-shape-k4-mcg", 256), ("two-groups-k3-k5", 33),
+                                    ("k3.5-mul1-shared-gated", 17)])
+def test_count_out_behind_x_changes_no_bit(synthetic, name, m, monkeypatch):
+    """moe_configs.COUNT_OUT_BEHIND_X: each down CTA counts itself out at its block's ready counter behind its first
+    X copies, not inside its wait: the same MMAs, so y is bit-identical, eagerly (twice) and in graph replay
+    (``layer_with``: the last reader of each block still resets its counter), and every counter is back at zero."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for on in (True, False):
+        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"COUNT_OUT_BEHIND_X": on})
+        downs = [c for c in made if c.planes == 1]
+        assert downs and all(c.ready_wait and c.count_out_behind_x == on for c in downs), (name, m)
+        assert not plan.counters.any(), (name, m)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]), (name, m)
+
+
 def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
     """64-row mcg route blocks run their GEMMs with 8 warps (targets.decode_warps): each output column's sums are
     the same MMAs in the same order as with 4, so y is bit-identical."""
