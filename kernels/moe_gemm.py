@@ -63,7 +63,6 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
-from .moe_route import order_fields
 from .moe_rotate import (
     PARTIALS_DTYPES,
     SILU_GATING,
@@ -164,11 +163,6 @@ class MoEGemmConfig:
     # The fused intermediate two rows a warp at a time (``intermediate_row``'s row pairs: 8 values a lane, a row a
     # half-warp; the same bits), where a warp has an even number of the block's rows.
     tail_row_pairs: bool = False
-    # mBlockExpert is the route's gate/up order (MoERouteConfig.dead_blocks_first): CTA row y reads its block and
-    # expert from entry y, -1 for the grid's unused blocks, which come first and leave at once (no PDL wait: the
-    # last row is a used block's, whose CTAs wait), so the down GEMM (ready_signal: launched as each CTA starts)
-    # launches as the last used block's CTAs start, not behind unused ones that enter only as live ones end.
-    dead_blocks_first: bool = False
     # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
     # launched beside another kernel's last CTAs spreads over more SMs (moe_configs.spread_pad).
     smem_pad: int = 0
@@ -201,8 +195,6 @@ class MoEGemmConfig:
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
         if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
-        if self.dead_blocks_first and not (self.ready_signal and self.weights_before_wait and self.input is None):
-            raise ValueError("dead_blocks_first is for gate/up with block-ready counters, its weights before its wait")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
         if self.count_out_behind_x and not self.ready_wait:
@@ -359,8 +351,6 @@ class MoEGemm(DecodeGemmKernel):
         elif cutlass.const_expr(cfg.topk_sum is not None):
             sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
         expert = mBlockExpert[blk]
-        if cutlass.const_expr(cfg.dead_blocks_first):  # entry blk of the gate/up order: (-1, -1) for none
-            blk, expert = order_fields(expert)
         p = group_row_of(mGroupRow, expert, cfg.group_first, mW.shape[1])
         if expert >= 0 and p >= 0:
             n_col_tiles = mW.shape[3]
@@ -527,9 +517,6 @@ class MoEGemm(DecodeGemmKernel):
             if cutlass.const_expr(cfg.intermediate_splits > 0 or cfg.topk_sum is not None):
                 last = sLast[0]
             ptx.trace_flags(region, ptx.TRACE_LIVE | last)
-        elif cutlass.const_expr(cfg.dead_blocks_first):
-            if blk >= 0:  # another group's block; an unused one leaves (the used last row's CTAs wait)
-                ptx.wait_for_prior_kernels()
         elif cutlass.const_expr(cfg.weights_before_wait):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):

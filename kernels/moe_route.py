@@ -38,8 +38,7 @@ shared expert: the token index): in shared memory when the whole batch is one to
 last token block to finish (a second ``count_in``) packs.
 The packing CTA turns the counts into the packing: each expert's rows padded to the route block ``T`` (the
 GEMM's tokens per CTA), ``expert_row[e]`` = its first packed row, ``block_expert[b]`` = the expert of rows
-``b*T ..`` (-1: unused), ``row_route`` = -1 on padding rows and (``dead_blocks_first``) the gate/up GEMM's block
-order, its unused blocks first; it zeroes the global counts again. The
+``b*T ..`` (-1: unused) and ``row_route`` = -1 on padding rows; it zeroes the global counts again. The
 input rotation (at M = 1 the gate/up GEMM, ``moe_gemm``) then places route ``t*k' + j`` at row
 ``expert_row[e] + rank`` (and writes ``row_route`` / ``route_row`` there). Row order inside an expert follows
 the atomics, which changes no result: every packed row is computed independently and the top-k sum reads routes
@@ -70,18 +69,6 @@ METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
 NO_ID = 0x7FFFFFFF
 NEG_INF_KEY = 0x007FFFFF  # ptx.order_key(-inf)
-ORDER_EXPERT_BITS = 11  # an ``order`` entry: block << 11 | expert (packed experts <= 1025)
-
-
-def order_entry(block, expert):
-    """The gate/up order's entry for route block ``block`` of ``expert``: both in one word (one load)."""
-    return (block << ORDER_EXPERT_BITS) | expert
-
-
-def order_fields(entry):
-    """(block, expert) of a gate/up order entry; (-1, -1) for -1 (an unused block). Traced inline."""
-    expert = cutlass.select_(entry >= 0, entry & ((1 << ORDER_EXPERT_BITS) - 1), Int32(-1))
-    return entry >> ORDER_EXPERT_BITS, expert
 
 
 @dataclass(frozen=True)
@@ -104,11 +91,6 @@ class MoERouteConfig:
     # prefix sum and CTA barriers: 0.93 us of the route's 5.1 at M=1 on an H100, exl3tool.bench.trace). Only the
     # one-token GEMMs read the blocks then, by expert (moe_gemm's prologue), never expert_row nor padding rows.
     slot_blocks: bool = False
-    # The packing also writes the gate/up GEMM's CTA row order ``order`` (MoEGemmConfig.dead_blocks_first): row y takes
-    # block y - (B - used) as ``block << ORDER_EXPERT_BITS | expert``, the B - used rows before it -1, so that the
-    # grid's unused blocks come first and leave at once instead of trickling in behind the live ones as those end,
-    # which held the down GEMM's PDL launch until the last of them (trace, M=16: 12 us of gate/up's ramp-down).
-    dead_blocks_first: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -125,8 +107,6 @@ class MoERouteConfig:
             raise ValueError("expert_tile must be 16 or 32, token_tile 8, 16 or 32")
         if self.slot_blocks and self.method == "given":
             raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
-        if self.slot_blocks and self.dead_blocks_first:
-            raise ValueError("dead_blocks_first comes with the packing (slot blocks have none)")
 
     @property
     def chunks(self) -> int:
@@ -265,23 +245,20 @@ class MoERoute:
         mExpertRow: cute.Tensor,  # [E'] int32
         mBlockExpert: cute.Tensor,  # [blocks] int32
         mRowRoute: cute.Tensor,  # [blocks * T] int32
-        mOrder,  # [blocks] int32: gate/up's CTA row order (dead_blocks_first; else None)
         block_rows: Int32,  # T
         stream: cuda.CUstream,
     ):
-        if cutlass.const_expr(mOrder is None):
-            mOrder = mBlockExpert  # never touched: no gate/up order
         grid = (self.cfg.chunks,
                 (mX.shape[0] + self.cfg.token_tile - 1) // self.cfg.token_tile, 1)
         self.kernel(mX, mRouter, mBias, mGivenIds, mGivenW, mLogits, mIds, mW, mRank, mCounters, mCounts,
-                    mExpertRow, mBlockExpert, mRowRoute, mOrder, block_rows).launch(
+                    mExpertRow, mBlockExpert, mRowRoute, block_rows).launch(
             grid=grid, block=(THREADS, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRouter: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor,
                mGivenW: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor,
                mCounters: cute.Tensor, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor,
-               mRowRoute: cute.Tensor, mOrder: cute.Tensor, block_rows: Int32):
+               mRowRoute: cute.Tensor, block_rows: Int32):
         ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_ENTRY)
         cfg = self.cfg
@@ -327,15 +304,15 @@ class MoERoute:
                     mBlockExpert[lane] = mIds[0, lane]
             elif single:
                 cute.arch.sync_threads()  # every route counted in sCount
-                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, mOrder, tokens, block_rows, sCount, sFlag,
-                          sScan, tid, True)
+                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
+                          tid, True)
             else:
                 # --- the last token block: pack the routes counted in mCounts ----------------------------------
                 last = mCounters.iterator.toint() + Int64(n_tb) * 4
                 ptx.count_in(last, n_tb, sFlag, 1, tid)
                 if sFlag[1] != 0:
-                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, mOrder, tokens, block_rows, sCount,
-                              sFlag, sScan, tid, False)
+                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag,
+                              sScan, tid, False)
                     if tid == 0:
                         ptx.st_global_u32(last, Int32(0))
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
@@ -686,11 +663,10 @@ class MoERoute:
 
     @cute.jit
     def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
-             mOrder: cute.Tensor, tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor,
-             sScan: cute.Tensor, tid: Int32, local: cutlass.Constexpr):
-        """One CTA: each expert's rows padded to ``block_rows``, in expert order (and with dead_blocks_first the
-        gate/up order of those blocks). The counts come from ``sCount`` when ``local`` (counted there by this
-        CTA), else from ``mCounts``, zeroed for the next launch."""
+             tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
+             tid: Int32, local: cutlass.Constexpr):
+        """One CTA: each expert's rows padded to ``block_rows``, in expert order. The counts come from ``sCount``
+        when ``local`` (counted there by this CTA), else from ``mCounts``, zeroed for the next launch."""
         cfg = self.cfg
         experts = cfg.packed_experts
         counts = mCounts.iterator.toint()
@@ -722,26 +698,15 @@ class MoERoute:
             start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
-        unused = Int32(0)  # dead_blocks_first: the grid's unused blocks, first in gate/up's order
-        if cutlass.const_expr(self.cfg.dead_blocks_first):
-            used_rows = sScan[0]
-            for w in cutlass.range_constexpr(1, WARPS):
-                used_rows = used_rows + sScan[w]
-            unused = mBlockExpert.shape[0] - used_rows // block_rows
         for e in range(first, last):
             count = sCount[e]
             blocks = (count + block_rows - 1) // block_rows
             mExpertRow[e] = start
             for b in range(blocks):
                 mBlockExpert[start // block_rows + b] = e
-                if cutlass.const_expr(self.cfg.dead_blocks_first):
-                    mOrder[unused + start // block_rows + b] = order_entry(start // block_rows + b, e)
             for r in range(start + count, start + blocks * block_rows):
                 mRowRoute[r] = -1
             start = start + blocks * block_rows
         cute.arch.sync_threads()
         for b in range(sFlag[2] + tid, mBlockExpert.shape[0], THREADS):
             mBlockExpert[b] = -1
-        if cutlass.const_expr(self.cfg.dead_blocks_first):
-            for y in range(tid, unused, THREADS):
-                mOrder[y] = -1

@@ -136,32 +136,6 @@ def test_fused_intermediate_in_row_pairs(arch, rows, resident):
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_gate_up_order_with_unused_blocks_first(arch, monkeypatch):
-    """MoERouteConfig / MoEGemmConfig.dead_blocks_first: the route that also packs the gate/up order compiles, and
-    the gate/up GEMM that reads it has the same MMAs and weight copies, no spills; only a gate/up GEMM with
-    block-ready counters and its weights before its wait takes it, and slot blocks have no packing."""
-    monkeypatch.setattr(moe_configs, "DEAD_BLOCKS_FIRST", True)
-    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
-                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
-    step = moe_configs.step_configs(layer, 16, False, arch, 132, "float16", "float16")
-    route, gate_up = step.route, step.groups[0].gate_up
-    assert route.dead_blocks_first and gate_up.dead_blocks_first
-    ptx, plain = ptx_of(gate_up, arch), ptx_of(dataclasses.replace(gate_up, dead_blocks_first=False), arch)
-    assert ptx.count(MMA) == plain.count(MMA) > 0
-    assert ptx.count("cp.async.cg.shared.global") == plain.count("cp.async.cg.shared.global")
-    assert f".target {arch}" in ptx_of(route, arch)  # (its order checked on the GPU: test_route_packing_...)
-    from exl3tool.sass import gemm_report
-    kernel = gemm_report(gate_up, arch)
-    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
-    with pytest.raises(ValueError):  # no block-ready counters
-        dataclasses.replace(gate_up, ready_signal=False, intermediate_splits=0)
-    with pytest.raises(ValueError):  # the weights after the wait: an unused block's CTA would wait there first
-        dataclasses.replace(gate_up, weights_before_wait=False)
-    with pytest.raises(ValueError):
-        dataclasses.replace(route, slot_blocks=True)
-
-
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 def test_down_counts_out_behind_its_first_x_copies(arch, monkeypatch):
     """MoEGemmConfig.count_out_behind_x: the down GEMM's count-out atomic comes behind its first X copies instead of
     inside its wait (one atomic either way), with the same MMAs and copies, no spills; only a down GEMM that waits at

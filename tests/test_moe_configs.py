@@ -100,30 +100,6 @@ def test_every_step_plans_on_every_arch(name, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [*LAYERS, *MODELS])
-def test_gate_up_takes_unused_blocks_first_where_its_weights_come_early(name, arch, monkeypatch):
-    """moe_configs.DEAD_BLOCKS_FIRST: a gate/up GEMM that hands X2 on by block-ready counters and issues its weights
-    before its PDL wait (the unused blocks' CTAs then leave without waiting) reads the route's gate/up order, and the
-    route writes it exactly where some group's gate/up reads it; with the knob off none does."""
-    monkeypatch.setattr(moe_configs, "DEAD_BLOCKS_FIRST", True)
-    d = {**LAYERS, **MODELS}[name]
-    seen = set()
-    for tokens, given in itertools.product([*range(1, 40), 64, 100, 256, 384, 512, 1024], (False, True)):
-        step = step_configs(d, tokens, given, arch, typical_sms(arch), "float16", "float16")
-        for g in step.groups:
-            c = g.gate_up
-            assert c.dead_blocks_first == (c.ready_signal and c.weights_before_wait and c.input is None), tokens
-            assert not c.dead_blocks_first or not step.route.slot_blocks
-            assert not g.down.dead_blocks_first
-        assert step.route.dead_blocks_first == any(g.gate_up.dead_blocks_first for g in step.groups), tokens
-        seen.add(step.route.dead_blocks_first)
-    assert seen == {True, False}
-    monkeypatch.setattr(moe_configs, "DEAD_BLOCKS_FIRST", False)
-    step = step_configs(d, 16, False, arch, typical_sms(arch), "float16", "float16")
-    assert not step.route.dead_blocks_first and not any(g.gate_up.dead_blocks_first for g in step.groups)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
 def test_down_counts_out_behind_its_x_where_it_waits_at_counters(name, arch, monkeypatch):
     """moe_configs.COUNT_OUT_BEHIND_X: exactly the down GEMMs that wait at block-ready counters count out behind
     their first X copies; with the knob off none does."""

@@ -260,7 +260,6 @@ class MoEPlan:
         self.counts = torch.zeros(cfg.packed_experts, dtype=torch.int32, device=device)
         self.expert_row = new(cfg.packed_experts, torch.int32)
         self.block_expert = new(max(s.blocks for s in shapes), torch.int32)
-        self.block_order = new(self.block_expert.numel(), torch.int32)  # gate/up's (MoERouteConfig.dead_blocks_first)
         self.row_route = new(rows, torch.int32)
         self.route_row = new(max_tokens * k, torch.int32)
         # X and X2 rows are twice as wide where a step's GEMM reads them doubled (split halves)
@@ -282,9 +281,9 @@ class MoEPlan:
     @property
     def scratch_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.logits, self.ids, self.weights, self.rank,
-                                                          self.expert_row, self.block_expert, self.block_order,
-                                                          self.row_route, self.route_row, self.xr, self.p13,
-                                                          self.x2, self.p2, self.y))
+                                                          self.expert_row, self.block_expert, self.row_route,
+                                                          self.route_row, self.xr, self.p13, self.x2, self.p2,
+                                                          self.y))
 
     def launches(self, tokens: int, given: bool = False) -> int:
         """Kernel launches of one call with ``tokens`` tokens (``given``: the caller's topk_ids)."""
@@ -311,17 +310,15 @@ class MoEPlan:
         ids = self.ids[: tokens * k].view(tokens, k)
         weights = self.weights[: tokens * k].view(tokens, k)
         block_expert = self.block_expert[: s.blocks]
-        block_order = self.block_order[: s.blocks]
         row_route = self.row_route[:rows]
         route_row = self.route_row[: tokens * k]
         rank = self.rank[: tokens * k]
         step.y = self.y[: tokens * d.hidden].view(tokens, d.hidden)
         bias = d.route_bias if d.route_bias is not None else self.dummy_f32.view(1)
-        order = block_order if c.route.dead_blocks_first else None  # the packing's gate/up order, where read
         step.route = (K.compiled(c.route, arch), *map(to_ffi, (d.router, bias, self.dummy_i32, self.dummy_f32,
                                                                 logits, ids, weights, rank, self.counters,
                                                                 self.counts, self.expert_row, block_expert,
-                                                                row_route, order)))
+                                                                row_route)))
         p2 = partials_view(self.p2, c.groups[0].down.partials, (s.splits2, rows, h_p))
         col_blocks = h_p // 128
         # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
@@ -343,9 +340,8 @@ class MoEPlan:
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
             ranks = rank if g13.resident_rows > 1 else None
             prologue = (g.gate_suh, g.up_suh, ids, route_row, ranks) if resident else ()
-            blocks13 = block_order if g13.dead_blocks_first else block_expert
-            gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, blocks13, g.group_row, gc.per13, *tail,
-                       *prologue)
+            gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, gc.per13,
+                       *tail, *prologue)
             if gc.rotation is not None:
                 step.launches.append((K.launch_input_rotation, K.compiled(gc.rotation, arch),
                                       (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row, g.group_row,

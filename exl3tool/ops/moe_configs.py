@@ -259,18 +259,13 @@ EXPERT_INDEXED_ROWS = True
 # one-token GEMMs (the down GEMM's top-k sum then counts in at mSumCounter), and lost: 24.73 -> 26.18 (s40; down's CTAs
 # launch early and spin beside gate/up).
 READY_COUNTERS_MIN_TOKENS = 4
-# Where gate/up hands X2 to down by block-ready counters and issues its weights before its wait, its grid's unused
-# route blocks come first (MoERouteConfig / MoEGemmConfig.dead_blocks_first: the packing writes gate/up's CTA row
-# order) and leave at once. Last in the grid, they entered only as live CTAs ended, and the down GEMM, launched once
-# every gate/up CTA has started, waited behind them: in the trace (H100) its first CTA entered 12 / 6 / 8 / 11 us
-# after gate/up's last live one at M=16 / 32 / 64 / 256, right behind the last unused one. Off until an A/B measures
-# it (built in the sixty-fourth session, which had no GPU time left for it; docs/perf.md).
-DEAD_BLOCKS_FIRST = False
 # Where the down GEMM waits at block-ready counters, each CTA counts itself out behind its first X copies
 # (MoEGemmConfig.count_out_behind_x), not between its wait's barriers: in the trace (H100) every down CTA at M=16
 # found its block ready and still took 2.59 us (median) from entry to its wait's end, the count-out's atomic round
-# trip serial in it. Off until an A/B measures it (sixty-fifth session).
-COUNT_OUT_BEHIND_X = False
+# trip serial in it. H100, E=128 top-8 2048x768 K=4 mcg, layer graph, y bit-identical, us, 5 rounds (3): M=32 130.80
+# -> 129.56 (130.37 -> 129.37), M=64 157.95 -> 156.56 (158.08 -> 156.65), M=16 104.81 -> 104.48; M=8, 128, 256 within
+# 0.5 either way (s65).
+COUNT_OUT_BEHIND_X = True
 # Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
 # its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
 # takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
@@ -672,8 +667,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         g13 = resident13 or replace(g13, weights_before_wait=early13)
         if s.fused_intermediate and s.block_rows in FUSED_TAIL_ROW_PAIRS and g13.tail_rows_per_warp % 2 == 0:
             g13 = replace(g13, tail_row_pairs=True)
-        if DEAD_BLOCKS_FIRST and g13.ready_signal and g13.weights_before_wait and g13.input is None:
-            g13 = replace(g13, dead_blocks_first=True)
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
@@ -686,8 +679,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
         route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
-    if any(g.gate_up.dead_blocks_first for g in groups):
-        route = replace(route, dead_blocks_first=True)  # the packing writes gate/up's order
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
 
 

@@ -37,8 +37,7 @@ def build_route(cfg: MoERouteConfig, options: str):
     args = [fake_tensor(DTYPES[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None),
             fake_tensor(I32, None, None), fake_tensor(F32, None, None), fake_tensor(F32, m, None),
             fake_tensor(I32, m, None), fake_tensor(F32, m, None), fake_tensor(I32, None), fake_tensor(I32, None),
-            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None),
-            fake_tensor(I32, None) if cfg.dead_blocks_first else None, 0]
+            fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
     return _compile(MoERoute(cfg), args, options)
 
 
@@ -109,9 +108,9 @@ def compiled(cfg, arch: str):
 
 
 def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, counters, counts, expert_row,
-                 block_expert, row_route, order, block_rows: int):
+                 block_expert, row_route, block_rows: int):
     fn(x, router, bias, given_ids, given_w, logits, ids, w, rank, counters, counts, expert_row, block_expert,
-       row_route, order, block_rows)
+       row_route, block_rows)
 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,

@@ -15,7 +15,6 @@ from exl3tool import reference
 from exl3tool.format import MoEBlock
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
-from exl3tool.kernels.moe_route import ORDER_EXPERT_BITS
 from exl3tool.ops import moe as moe_ops
 from exl3tool.ops import moe_configs
 from exl3tool.ops import targets
@@ -35,7 +34,7 @@ def rel(got, want) -> float:
 
 def poison(plan) -> None:
     for t in (plan.logits, plan.ids, plan.weights, plan.rank, plan.expert_row, plan.row_route, plan.route_row,
-              plan.block_expert, plan.block_order):
+              plan.block_expert):
         t.fill_(-7 if t.dtype == torch.int32 else float("nan"))
     for t in (plan.xr, plan.p13, plan.x2, plan.p2, plan.y):
         t.fill_(float("nan"))
@@ -774,36 +773,6 @@ def test_fused_tail_row_pairs_change_no_bit(synthetic, name, m, monkeypatch):
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 8), ("qwen3-30b-shape-k4-mcg", 16),
-                                    ("qwen3-30b-shape-k4-mcg", 64), ("qwen3-30b-shape-k4-mcg", 256),
-                                    ("qwen3-30b-shape-k4-mcg", 384), ("two-groups-k3-k5", 16),
-                                    ("two-groups-k3-k5", 100), ("k3.5-mul1-shared-gated", 17)])
-def test_dead_blocks_first_change_no_bit(synthetic, name, m, monkeypatch):
-    """moe_configs.DEAD_BLOCKS_FIRST: the gate/up GEMM takes its route blocks in the route's gate/up order, unused
-    ones first (they leave without their PDL wait): the same blocks, MMAs and tails, so y is bit-identical, eagerly
-    (twice) and in graph replay; with two expert groups (each skips the other's blocks), the shared expert's, and the
-    caller's routes with every token on the same k experts (most of the grid's blocks unused)."""
-    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    k = dmoe.route.top_k
-    given = torch.arange(k, dtype=torch.int32, device="cuda").repeat(m, 1)
-    weights = torch.rand(m, k, device="cuda")
-    outs = []
-    for on in (True, False):
-        y, made, _, configs = layer_with(monkeypatch, dmoe, x, {"DEAD_BLOCKS_FIRST": on})
-        assert [c.dead_blocks_first for c in made if c.planes == 2] == [on] * len(dmoe.groups), (name, m)
-        assert configs.route.dead_blocks_first == on
-        with monkeypatch.context() as patch:
-            patch.setattr(moe_configs, "DEAD_BLOCKS_FIRST", on)
-            plan = plan_moe(dmoe, m)
-            assert plan.configs(m, True).route.dead_blocks_first == on
-            poison(plan)
-            skewed = moe_forward(x, plan, topk_ids=given, topk_weights=weights).clone()
-        outs.append((y, skewed))
-    assert torch.equal(outs[0][0], outs[1][0]), (name, m)
-    assert not outs[0][1].isnan().any() and torch.equal(outs[0][1], outs[1][1]), (name, m)
-
-
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 4), ("qwen3-30b-shape-k4-mcg", 16),
                                     ("qwen3-30b-shape-k4-mcg", 256), ("two-groups-k3-k5", 33),
                                     ("k3.5-mul1-shared-gated", 17)])
@@ -1198,20 +1167,17 @@ def test_each_token_is_independent_of_the_batch(synthetic):
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
-def test_route_packing_one_token_block_or_several(synthetic, name, monkeypatch):
+def test_route_packing_one_token_block_or_several(synthetic, name):
     """Around the route kernel's one-token-block path (counts in shared memory, M <= 8): every route has its own
     rank inside its expert, the experts' first rows are the prefix sums of their padded counts, each expert's blocks
     and only those hold it in the block table (the rest -1), its rows after its routes are padding (row_route -1) and
-    its routes' rows hold routes to it, and where the gate/up GEMM takes its blocks unused ones first
-    (dead_blocks_first: from 8 tokens here) its order holds -1 for as many rows as the grid has unused blocks, then
-    each used block and its expert; on poisoned scratch; the counters and counts are back at zero after each call,
-    and a token's logits are the same whatever the batch."""
-    monkeypatch.setattr(moe_configs, "DEAD_BLOCKS_FIRST", True)
+    its routes' rows hold routes to it, on poisoned scratch; the counters and counts are back at zero after each
+    call, and a token's logits are the same whatever the batch."""
     plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 256)
     cfg = plan.dmoe.route
     k, e_r, e_p = cfg.routes_per_token, cfg.router_rows, cfg.packed_experts
     x = (torch.randn(256, plan.dmoe.hidden, device="cuda") * 0.1).to(plan.x_dtype)
-    logits, ordered = {}, []
+    logits = {}
     for m in (1, 8, 9, 16, 17, 32, 33, 64, 100, 256):
         poison(plan)
         moe_forward(x[:m].contiguous(), plan)
@@ -1234,15 +1200,6 @@ def test_route_packing_one_token_block_or_several(synthetic, name, monkeypatch):
                 assert (ids[plan.row_route[rows].long()] == e).all(), (m, e)
                 assert (plan.row_route[rows.stop: first[e].item() + padded[e].item()] == -1).all(), (m, e)
             assert torch.equal(plan.block_expert[: owner.numel()], owner), m
-            used = padded.sum().item() // t
-            if plan.configs(m, False).route.dead_blocks_first:
-                order = plan.block_order[: owner.numel()].long()
-                unused = owner.numel() - used
-                assert (order[:unused] == -1).all(), m
-                want = (torch.arange(used, device="cuda") << ORDER_EXPERT_BITS) | owner[:used]
-                assert torch.equal(order[unused:], want), m
-                ordered.append(m)
         logits[m] = plan.logits[: m * e_r].view(m, e_r).clone()
     for m, got in logits.items():
         assert torch.equal(got.view(torch.int32), logits[256][:m].view(torch.int32)), m
-    assert 8 in ordered and 16 in ordered, ordered

@@ -43,7 +43,7 @@ def test_route_top_k_exact_with_ties(seed, m):
     row_route = torch.empty(blocks * T, dtype=torch.int32, device="cuda")
     none_i, none_f = torch.zeros(1, 1, dtype=torch.int32, device="cuda"), torch.zeros(1, 1, device="cuda")
     K.launch_route(fn, x, router, torch.zeros(1, device="cuda"), none_i, none_f, logits, ids, w, rank, counters,
-                   counts, expert_row, block_expert, row_route, None, T)
+                   counts, expert_row, block_expert, row_route, T)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     # each logit in its (token, expert) place, whatever the tiles
