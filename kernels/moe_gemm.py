@@ -423,10 +423,11 @@ class MoEGemm(DecodeGemmKernel):
                     n_ib = k_tiles // 8
                     ready = block_ready_counter(mCounter, mBlockExpert, n_ib, blk)
                     gx, _, gz = cute.arch.grid_dim()
+                    readers = Int32(gx * gz)  # the block's CTAs
                     behind = cfg.count_out_behind_x
-                    wait = lambda: ptx.wait_count(ready, n_ib, Int32(gx * gz), tid, not behind)  # noqa: E731
+                    wait = lambda: ptx.wait_count(ready, n_ib, readers, tid, not behind)  # noqa: E731
                     if cutlass.const_expr(behind):  # the main loop calls it behind its first X copies
-                        prologue = lambda sX: ptx.count_out(ready, n_ib, Int32(gx * gz), tid)  # noqa: E731
+                        prologue = lambda sX: ptx.count_out(ready, n_ib, readers, tid)  # noqa: E731
                 if cutlass.const_expr(wait is not None):
                     inner_wait = wait
                     wait = lambda: (inner_wait(), ptx.trace_stamp(region, ptx.TRACE_WAITED))  # noqa: E731

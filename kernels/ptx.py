@@ -444,27 +444,27 @@ def signal_count(counter: Int64, tid: Int32):
 
 
 @cute.jit
-def wait_count(counter: Int64, target: Int32, readers: Int32, tid: Int32, count_out: cutlass.Constexpr = True):
-    """Wait until ``counter`` reaches ``target`` (writers' ``count_in``-style releases), then (``count_out``; else
-    the caller's ``count_out`` later) count this CTA out as one of its ``readers``: the last one resets it to zero for
-    the next launch. Thread 0 spins (acquire loads, backing off) between two CTA barriers, which carry the order to
-    the other threads, as in ``count_in``."""
+def wait_count(counter: Int64, target: Int32, readers: Int32, tid: Int32, then_count_out: cutlass.Constexpr = True):
+    """Wait until ``counter`` reaches ``target`` (writers' ``count_in``-style releases), then count this CTA out as
+    one of its ``readers`` (``count_out``; without ``then_count_out`` the caller does that later). Thread 0 spins
+    (acquire loads, backing off) between two CTA barriers, which carry the order to the other threads, as in
+    ``count_in``."""
     cute.arch.sync_threads()
     if tid == 0:
         seen = ld_acquire_u32(counter)
         while seen < target:
             nanosleep(256)
             seen = ld_acquire_u32(counter)
-        if cutlass.const_expr(count_out):
-            if atomic_add_u32(counter, Int32(1)) == target + readers - 1:
-                st_global_u32(counter, Int32(0))
+        if cutlass.const_expr(then_count_out):
+            count_out(counter, target, readers, tid)
     cute.arch.sync_threads()
 
 
 @cute.jit
 def count_out(counter: Int64, target: Int32, readers: Int32, tid: Int32):
-    """``wait_count``'s count-out, on its own: after a ``wait_count(..., count_out=False)`` has seen the target, so
-    that its atomic's round trip overlaps work issued in between (thread 0's warp alone waits for it)."""
+    """Thread 0 counts this CTA out of ``wait_count``'s counter once the target was seen: the last of its ``readers``
+    resets it to zero for the next launch. Apart from the wait, its atomic's round trip overlaps the work issued in
+    between (thread 0's warp alone waits for it)."""
     if tid == 0:
         if atomic_add_u32(counter, Int32(1)) == target + readers - 1:
             st_global_u32(counter, Int32(0))
