@@ -780,14 +780,17 @@ def test_count_out_behind_x_changes_no_bit(synthetic, name, m, monkeypatch):
     """moe_configs.COUNT_OUT_BEHIND_X: each down CTA counts itself out at its block's ready counter behind its first
     X copies, not inside its wait: the same MMAs, so y is bit-identical, eagerly (twice) and in graph replay
     (``layer_with``: the last reader of each block still resets its counter), and every counter is back at zero."""
+    from exl3tool.ops.workspace import counters
+
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     outs = []
     for on in (True, False):
-        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"COUNT_OUT_BEHIND_X": on})
+        y, made, _, _ = layer_with(monkeypatch, dmoe, x, {"COUNT_OUT_BEHIND_X": on})
+        torch.cuda.synchronize()
+        assert not any(arena.any() for arena in counters._arenas.values()), (name, m)
         downs = [c for c in made if c.planes == 1]
         assert downs and all(c.ready_wait and c.count_out_behind_x == on for c in downs), (name, m)
-        assert not plan.counters.any(), (name, m)
         outs.append(y)
     assert torch.equal(outs[0], outs[1]), (name, m)
 
