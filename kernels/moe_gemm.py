@@ -378,7 +378,6 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
 
-
     @cute.jit
     def run_item(self, bn: Int32, blk: Int32, split: Int32, trace_item, region: cutlass.Constexpr, tid: Int32,
                  warp: Int32, lane: Int32, smem_tensors, kernel_args):
