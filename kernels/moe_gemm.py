@@ -154,6 +154,9 @@ class MoEGemmConfig:
     # its own CTAs leave stay empty until gate/up's grid ends (s64's traces, docs/perf.md s65); resident CTAs that go
     # on to their next item keep those slots busy.
     persistent_ctas: int = 0
+    # persistent_ctas: each CTA takes its next item from a work counter (the word after the blocks' ready counters;
+    # the last take, every CTA's one past the end, resets it) instead of at the grid's stride, a take ahead.
+    persistent_counter: bool = False
     # ready_wait: each down CTA counts itself out behind its first X copies (the main loop's prologue), not between
     # its wait's barriers, so that the atomic's round trip overlaps the copies' instead of holding every warp.
     count_out_behind_x: bool = False
@@ -206,6 +209,8 @@ class MoEGemmConfig:
             raise ValueError("count_out_behind_x is ready_wait's")
         if self.persistent_ctas < 0 or (self.persistent_ctas and not self.ready_wait):
             raise ValueError("persistent_ctas is ready_wait's (a non-negative count)")
+        if self.persistent_counter and not self.persistent_ctas:
+            raise ValueError("persistent_counter is persistent_ctas'")
         if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
                                  or self.input is not None or self.group_loops[-1] != self.token_groups
                                  or list(self.group_loops) != sorted(set(self.group_loops)) or self.group_loops[0] < 1):
@@ -367,12 +372,32 @@ class MoEGemm(DecodeGemmKernel):
             # this CTA takes the plain grid's CTAs bn, bn + persistent_ctas, .. in their order (x fastest)
             items_x = cfg.planes * mW.shape[3] // cfg.warps
             items = items_x * mBlockExpert.shape[0] * mP.shape[0]
-            for item in cutlass.range(bn, items, cfg.persistent_ctas):
-                cute.arch.sync_threads()  # the last item's warps are done with shared memory
-                ptx.trace_stamp(region, ptx.TRACE_ENTRY, item)
-                row = item // items_x
-                self.run_item(item % items_x, row % mBlockExpert.shape[0], row // mBlockExpert.shape[0], item, region,
-                              tid, warp, lane, smem_tensors, kernel_args)
+            if cutlass.const_expr(cfg.persistent_counter):
+                # thread 0 takes the next item while this one runs, into the other of sLast[2:4]
+                work = block_ready_counter(mCounter, mBlockExpert, mW.shape[2] // 8, mBlockExpert.shape[0])
+                last_take = items + cfg.persistent_ctas - 1
+                if tid == 0:
+                    sLast[2] = take_item(work, last_take)
+                cute.arch.sync_threads()
+                slot = Int32(2)
+                item = sLast[2]
+                while item < items:
+                    if tid == 0:
+                        sLast[5 - slot] = take_item(work, last_take)
+                    ptx.trace_stamp(region, ptx.TRACE_ENTRY, item)
+                    row = item // items_x
+                    self.run_item(item % items_x, row % mBlockExpert.shape[0], row // mBlockExpert.shape[0], item,
+                                  region, tid, warp, lane, smem_tensors, kernel_args)
+                    cute.arch.sync_threads()  # the next item is in its slot; shared memory is free again
+                    slot = 5 - slot
+                    item = sLast[slot]
+            else:
+                for item in cutlass.range(bn, items, cfg.persistent_ctas):
+                    cute.arch.sync_threads()  # the last item's warps are done with shared memory
+                    ptx.trace_stamp(region, ptx.TRACE_ENTRY, item)
+                    row = item // items_x
+                    self.run_item(item % items_x, row % mBlockExpert.shape[0], row // mBlockExpert.shape[0], item,
+                                  region, tid, warp, lane, smem_tensors, kernel_args)
         else:
             self.run_item(bn, blk, split, None, region, tid, warp, lane, smem_tensors, kernel_args)
         if cutlass.const_expr(cfg.ready_wait):
@@ -605,6 +630,16 @@ def block_ready_counter(mCounter, mBlockExpert, n_ib, blk):
     """Address of route block ``blk``'s ready counter (``ready_signal`` / ``ready_wait``): after the fused
     intermediate's ``blocks * n_ib`` arrival counters. Traced inline."""
     return mCounter.iterator.toint() + (Int64(mBlockExpert.shape[0]) * n_ib + blk) * 4
+
+
+@cute.jit
+def take_item(work: Int64, last_take: Int32) -> Int32:
+    """The next item of a persistent grid's work counter (one thread's relaxed atomic); the take ``last_take``, the
+    last of all, resets it to zero for the next launch."""
+    taken = ptx.atomic_add_u32(work, Int32(1))
+    if taken == last_take:
+        ptx.st_global_u32(work, Int32(0))
+    return taken
 
 
 def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):
