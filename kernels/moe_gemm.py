@@ -149,14 +149,6 @@ class MoEGemmConfig:
     # ``counter``: ``[blocks * I_p/128 + blocks]``.
     ready_signal: bool = False
     ready_wait: bool = False
-    # ready_wait: a grid of this many CTAs (> 0), each taking the plain grid's CTAs' work at a stride of it, in their
-    # order: while gate/up runs, the GPU gives the down grid a new CTA only where a gate/up CTA leaves, and the slots
-    # its own CTAs leave stay empty until gate/up's grid ends (s64's traces, docs/perf.md s65); resident CTAs that go
-    # on to their next item keep those slots busy.
-    persistent_ctas: int = 0
-    # persistent_ctas: each CTA takes its next item from a work counter (the word after the blocks' ready counters;
-    # the last take, every CTA's one past the end, resets it) instead of at the grid's stride, a take ahead.
-    persistent_counter: bool = False
     # ready_wait: each down CTA counts itself out behind its first X copies (the main loop's prologue), not between
     # its wait's barriers, so that the atomic's round trip overlaps the copies' instead of holding every warp.
     count_out_behind_x: bool = False
@@ -207,10 +199,6 @@ class MoEGemmConfig:
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
         if self.count_out_behind_x and not self.ready_wait:
             raise ValueError("count_out_behind_x is ready_wait's")
-        if self.persistent_ctas < 0 or (self.persistent_ctas and not self.ready_wait):
-            raise ValueError("persistent_ctas is ready_wait's (a non-negative count)")
-        if self.persistent_counter and not self.persistent_ctas:
-            raise ValueError("persistent_counter is persistent_ctas'")
         if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
                                  or self.input is not None or self.group_loops[-1] != self.token_groups
                                  or list(self.group_loops) != sorted(set(self.group_loops)) or self.group_loops[0] < 1):
@@ -318,8 +306,6 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(mSumCounter is None):
             mSumCounter = mP  # never touched: no fused top-k sum
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
-        if cutlass.const_expr(self.cfg.persistent_ctas > 0):
-            grid = (self.cfg.persistent_ctas, 1, 1)
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
                     mSumCounter).launch(
@@ -335,8 +321,7 @@ class MoEGemm(DecodeGemmKernel):
                mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         region = ptx.TRACE_GATE_UP if cfg.planes == 2 else ptx.TRACE_DOWN  # the timing trace's (ptx.TRACE_ADDR)
-        if cutlass.const_expr(cfg.persistent_ctas == 0):  # (a persistent grid stamps each item's entry)
-            ptx.trace_stamp(region, ptx.TRACE_ENTRY)
+        ptx.trace_stamp(region, ptx.TRACE_ENTRY)
         # With ready_signal the down GEMM waits for its blocks' ready counters, not for this grid, so it may launch
         # before this kernel's own PDL wait; it reads the route's block table first, though. Behind the input
         # rotation that table is written (the rotation waited for the route before letting this kernel launch);
@@ -365,54 +350,6 @@ class MoEGemm(DecodeGemmKernel):
             sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)
         elif cutlass.const_expr(cfg.topk_sum is not None):
             sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
-        smem_tensors = (sW, sX, sDec, sLast, sRoute, sTerm)
-        kernel_args = (mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
-                       inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY, mSumCounter)
-        if cutlass.const_expr(cfg.persistent_ctas > 0):
-            # this CTA takes the plain grid's CTAs bn, bn + persistent_ctas, .. in their order (x fastest)
-            items_x = cfg.planes * mW.shape[3] // cfg.warps
-            items = items_x * mBlockExpert.shape[0] * mP.shape[0]
-            if cutlass.const_expr(cfg.persistent_counter):
-                # thread 0 takes the next item while this one runs, into the other of sLast[2:4]
-                work = block_ready_counter(mCounter, mBlockExpert, mW.shape[2] // 8, mBlockExpert.shape[0])
-                last_take = items + cfg.persistent_ctas - 1
-                if tid == 0:
-                    sLast[2] = take_item(work, last_take)
-                cute.arch.sync_threads()
-                slot = Int32(2)
-                item = sLast[2]
-                while item < items:
-                    if tid == 0:
-                        sLast[5 - slot] = take_item(work, last_take)
-                    ptx.trace_stamp(region, ptx.TRACE_ENTRY, item)
-                    row = item // items_x
-                    self.run_item(item % items_x, row % mBlockExpert.shape[0], row // mBlockExpert.shape[0], item,
-                                  region, tid, warp, lane, smem_tensors, kernel_args)
-                    cute.arch.sync_threads()  # the next item is in its slot; shared memory is free again
-                    slot = 5 - slot
-                    item = sLast[slot]
-            else:
-                for item in cutlass.range(bn, items, cfg.persistent_ctas):
-                    cute.arch.sync_threads()  # the last item's warps are done with shared memory
-                    ptx.trace_stamp(region, ptx.TRACE_ENTRY, item)
-                    row = item // items_x
-                    self.run_item(item % items_x, row % mBlockExpert.shape[0], row // mBlockExpert.shape[0], item,
-                                  region, tid, warp, lane, smem_tensors, kernel_args)
-        else:
-            self.run_item(bn, blk, split, None, region, tid, warp, lane, smem_tensors, kernel_args)
-        if cutlass.const_expr(cfg.ready_wait):
-            ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
-
-    @cute.jit
-    def run_item(self, bn: Int32, blk: Int32, split: Int32, trace_item, region: cutlass.Constexpr, tid: Int32,
-                 warp: Int32, lane: Int32, smem_tensors, kernel_args):
-        """One CTA's work of the plain grid (block ``blk``, columns ``bn``, K split ``split``); ``trace_item``: the
-        trace's CTA index where a persistent CTA runs it, else None. ``smem_tensors``: (sW, sX, sDec, sLast, sRoute,
-        sTerm); ``kernel_args``: the kernel's."""
-        cfg, main = self.cfg, self.cfg.mainloop
-        sW, sX, sDec, sLast, sRoute, sTerm = smem_tensors
-        (mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter, inter_true, mGateSuh,
-         mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY, mSumCounter) = kernel_args
         expert = mBlockExpert[blk]
         p = group_row_of(mGroupRow, expert, cfg.group_first, mW.shape[1])
         if expert >= 0 and p >= 0:
@@ -432,8 +369,7 @@ class MoEGemm(DecodeGemmKernel):
             n_blocks = n_chunks * cfg.k_tiles_per_stage // 8  # the prologue's 128-blocks of x
             rounds = -(-cfg.resident_k_tiles // (8 * cfg.warps))
             if cutlass.const_expr(cfg.input is not None and cfg.resident_rows > 1):
-                # the block's tokens' x, rotated with this expert's suh, while W loads
-                def prologue(sX):  # noqa: E306
+                def prologue(sX):  # noqa: E306 (the block's tokens' x, rotated with this expert's suh, while W loads)
                     find_block_routes(mIds, mRank, mRouteRow, mRowRoute, sRoute, expert, tok0,
                                       bn == 0 and split == 0, tid, self.threads)
                     for i in cutlass.range_constexpr(cfg.resident_rows):
@@ -442,7 +378,7 @@ class MoEGemm(DecodeGemmKernel):
                             rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
                                                 cfg.resident_order, warp, cfg.warps, lane, route // mIds.shape[1],
                                                 i * main.resident_row_words)
-                    ptx.trace_stamp(region, ptx.TRACE_PROLOGUE, trace_item)
+                    ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue)
                 store_partials(mP, acc, acc_groups(main, warp), split, plane * n_col_tiles * 16, col_tile0, tok0,
@@ -459,14 +395,14 @@ class MoEGemm(DecodeGemmKernel):
                     def prologue(sX, loaded):  # noqa: E306 (rotated while W loads)
                         rotate_loaded_into_shared(loaded, mX, sX, n_blocks, cfg.resident_order, warp, cfg.warps,
                                                   lane)
-                        ptx.trace_stamp(region, ptx.TRACE_PROLOGUE, trace_item)
+                        ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
                 else:
                     loads = None
 
                     def prologue(sX):  # noqa: E306 (the token's x, rotated with this expert's suh, while W loads)
                         rotate_expert_input(mX, mGateSuh, mUpSuh, sX, plane, p, k_begin, n_blocks, rounds,
                                             cfg.resident_order, warp, cfg.warps, lane)
-                        ptx.trace_stamp(region, ptx.TRACE_PROLOGUE, trace_item)
+                        ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue, prologue_loads=loads)
                 if bn == 0 and split == 0 and tid < mIds.shape[1]:
@@ -488,18 +424,15 @@ class MoEGemm(DecodeGemmKernel):
                     ready = block_ready_counter(mCounter, mBlockExpert, n_ib, blk)
                     gx, _, gz = cute.arch.grid_dim()
                     readers = Int32(gx * gz)  # the block's CTAs
-                    if cutlass.const_expr(cfg.persistent_ctas > 0):  # its items
-                        readers = Int32(cfg.planes * n_col_tiles // cfg.warps * mP.shape[0])
                     behind = cfg.count_out_behind_x
                     wait = lambda: ptx.wait_count(ready, n_ib, readers, tid, not behind)  # noqa: E731
                     if cutlass.const_expr(behind):  # the main loop calls it behind its first X copies
                         prologue = lambda sX: ptx.count_out(ready, n_ib, readers, tid)  # noqa: E731
                 if cutlass.const_expr(wait is not None):
                     inner_wait = wait
-                    wait = lambda: (inner_wait(),  # noqa: E731
-                                    ptx.trace_stamp(region, ptx.TRACE_WAITED, trace_item))
-                loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles,
-                             col_tile0, tok0, rows, k_begin, n_chunks, prologue, rows)
+                    wait = lambda: (inner_wait(), ptx.trace_stamp(region, ptx.TRACE_WAITED))  # noqa: E731
+                loop_args = (main, self.plan, acc, sW, sX, sDec, w_base, x_base, mX.shape[2], n_col_tiles, col_tile0,
+                             tok0, rows, k_begin, n_chunks, prologue, rows)
                 if cutlass.const_expr(cfg.group_loops):
                     # a main loop per count of route-holding groups (a predicate per group and k-tile would still
                     # issue the skipped MMAs and loads), picked after the wait: the input rotation writes row_route
@@ -532,7 +465,7 @@ class MoEGemm(DecodeGemmKernel):
                     if tail_run != 0:
                         tail = [g for g, skip in zip(groups, skippable) if skip]
                         store_partials(mP, acc, tail, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
-            ptx.trace_stamp(region, ptx.TRACE_LOOP, trace_item)
+            ptx.trace_stamp(region, ptx.TRACE_LOOP)
             if cutlass.const_expr(cfg.next_after_loop):
                 ptx.launch_dependents()
 
@@ -540,7 +473,7 @@ class MoEGemm(DecodeGemmKernel):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
                 counter = mCounter.iterator.toint() + (Int64(blk) * (n_col_tiles // 8) + block) * 4
                 ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
-                ptx.trace_stamp(region, ptx.TRACE_ARRIVED, trace_item)
+                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
                 if sLast[0] != 0:
                     if cutlass.const_expr(cfg.input is not None and cfg.resident_rows == 1):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
@@ -574,19 +507,21 @@ class MoEGemm(DecodeGemmKernel):
                 counter = mSumCounter.iterator.toint() + Int64(block) * 4
                 ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
                              0, tid)
-                ptx.trace_stamp(region, ptx.TRACE_ARRIVED, trace_item)
+                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
                 if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
                     topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0, block,
                                    warp, cfg.warps, lane)
                     if tid == 0:
                         ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
-            ptx.trace_stamp(region, ptx.TRACE_END, trace_item)
+            ptx.trace_stamp(region, ptx.TRACE_END)
             last = Int32(0)  # sLast[0]: this CTA arrived last at its fused tail's counter
             if cutlass.const_expr(cfg.intermediate_splits > 0 or cfg.topk_sum is not None):
                 last = sLast[0]
-            ptx.trace_flags(region, ptx.TRACE_LIVE | last, trace_item)
+            ptx.trace_flags(region, ptx.TRACE_LIVE | last)
         elif cutlass.const_expr(cfg.weights_before_wait):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
+        if cutlass.const_expr(cfg.ready_wait):
+            ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
 
 
 def tail_route(cfg: MoEGemmConfig, mRowRoute: cute.Tensor, sRoute: cute.Tensor, row, slot):
@@ -630,16 +565,6 @@ def block_ready_counter(mCounter, mBlockExpert, n_ib, blk):
     """Address of route block ``blk``'s ready counter (``ready_signal`` / ``ready_wait``): after the fused
     intermediate's ``blocks * n_ib`` arrival counters. Traced inline."""
     return mCounter.iterator.toint() + (Int64(mBlockExpert.shape[0]) * n_ib + blk) * 4
-
-
-@cute.jit
-def take_item(work: Int64, last_take: Int32) -> Int32:
-    """The next item of a persistent grid's work counter (one thread's relaxed atomic); the take ``last_take``, the
-    last of all, resets it to zero for the next launch."""
-    taken = ptx.atomic_add_u32(work, Int32(1))
-    if taken == last_take:
-        ptx.st_global_u32(work, Int32(0))
-    return taken
 
 
 def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):

@@ -644,23 +644,22 @@ def _store_smid(addr, flags, *, loc=None, ip=None) -> None:
 
 
 @cute.jit
-def trace_stamp(region: cutlass.Constexpr, point: cutlass.Constexpr, item=None):
+def trace_stamp(region: cutlass.Constexpr, point: cutlass.Constexpr):
     """Where TRACE_ADDR is set: thread 0 stores %globaltimer at ``point`` of its CTA's slots in ``region`` (every
-    thread calls it; a persistent grid's CTA passes its ``item``, the plain grid's CTA index). Nothing otherwise."""
+    thread calls it). Nothing otherwise."""
     if cutlass.const_expr(TRACE_ADDR != 0):
         tid, _, _ = cute.arch.thread_idx()
-        cta = _trace_cta() if cutlass.const_expr(item is None) else item
+        cta = _trace_cta()
         if tid == 0 and cta < TRACE_REGION_CTAS:
             _store_globaltimer(_trace_slot(region, cta, point))
 
 
 @cute.jit
-def trace_flags(region: cutlass.Constexpr, flags: Int32, item=None):
-    """Where TRACE_ADDR is set: thread 0 stores its SM id << 8 | ``flags`` in its CTA's (``item``'s) last slot of
-    ``region``."""
+def trace_flags(region: cutlass.Constexpr, flags: Int32):
+    """Where TRACE_ADDR is set: thread 0 stores its SM id << 8 | ``flags`` in its CTA's last slot of ``region``."""
     if cutlass.const_expr(TRACE_ADDR != 0):
         tid, _, _ = cute.arch.thread_idx()
-        cta = _trace_cta() if cutlass.const_expr(item is None) else item
+        cta = _trace_cta()
         if tid == 0 and cta < TRACE_REGION_CTAS:
             _store_smid(_trace_slot(region, cta, TRACE_POINTS - 1), flags)
 

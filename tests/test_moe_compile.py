@@ -160,28 +160,6 @@ def test_down_counts_out_behind_its_first_x_copies(arch, monkeypatch):
         dataclasses.replace(down, ready_wait=False)
 
 
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_persistent_down_takes_the_plain_grids_items(arch, monkeypatch):
-    """MoEGemmConfig.persistent_ctas: the down GEMM whose CTAs each take several of the plain grid's CTAs' work in a
-    loop compiles with one item's MMAs, copies and count-out in that loop (the same as the plain kernel's), no
-    spills; only a down GEMM that waits at block-ready counters takes it."""
-    monkeypatch.setattr(moe_configs, "PERSISTENT_DOWN_CTAS_PER_SM", 4)
-    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
-                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
-    down = moe_configs.step_configs(layer, 16, False, arch, 132, "float16", "float16").groups[0].down
-    assert down.persistent_ctas == 4 * 132 and down.ready_wait
-    ptx, plain = ptx_of(down, arch), ptx_of(dataclasses.replace(down, persistent_ctas=0), arch)
-    for op in (MMA, "cp.async.cg.shared.global", "atom.global.add.u32", "ld.acquire.gpu"):
-        assert ptx.count(op) == plain.count(op) > 0, op
-    from exl3tool.sass import gemm_report
-    kernel = gemm_report(down, arch)
-    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
-    with pytest.raises(ValueError):
-        dataclasses.replace(down, ready_wait=False, count_out_behind_x=False)
-    with pytest.raises(ValueError):
-        dataclasses.replace(down, persistent_ctas=-1)
-
-
 @pytest.mark.parametrize("planes,splits", [(2, 0), (2, 3), (1, 0)])
 def test_split_halves_gemms_read_doubled_inputs(planes, splits):
     """8-row blocks with split halves: two MMAs per tile, B words loaded doubled (no doubling in the loop); the

@@ -117,27 +117,6 @@ def test_down_counts_out_behind_its_x_where_it_waits_at_counters(name, arch, mon
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [*LAYERS, *MODELS])
-def test_down_persists_where_it_waits_at_counters(name, arch, monkeypatch):
-    """moe_configs.PERSISTENT_DOWN_CTAS_PER_SM: exactly the down GEMMs that wait at block-ready counters run as a grid
-    of that many CTAs an SM, or of the plain grid's CTAs where those are fewer; at 0 none does."""
-    d = {**LAYERS, **MODELS}[name]
-    sms = typical_sms(arch)
-    for per_sm in (4, 1, 0):
-        monkeypatch.setattr(moe_configs, "PERSISTENT_DOWN_CTAS_PER_SM", per_sm)
-        seen = set()
-        for tokens in (1, 2, 4, 16, 33, 256, 1024):
-            step = step_configs(d, tokens, False, arch, sms, "float16", "float16")
-            for g in step.groups:
-                plain = d.hidden_padded // 16 // g.down.warps * step.shape.blocks * step.shape.splits2
-                want = min(per_sm * sms, plain) if g.down.ready_wait else 0
-                assert g.down.persistent_ctas == want, (tokens, per_sm)
-                assert g.gate_up.persistent_ctas == 0
-                seen.add(g.down.ready_wait)
-        assert seen == {True, False}
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
 def test_resident_route_rows_plan_where_the_gate_up_stages_take_them(name, arch, monkeypatch):
     """With RESIDENT_INPUT_TOKENS at 8 (the candidate), every step of 1-8 tokens plans: the gate/up GEMM takes the
     rows where its stages can (``GemmConfig.takes_input``) and they fit, else the input rotation launches. Found on

@@ -334,11 +334,9 @@ class MoEPlan:
             # (row_route also when the GEMM reads or writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if g13.takes_row_route else None, None, 0)
             if s.fused_intermediate:
-                # the (block, 128 columns of I) arrival counters, then with ready_counters one per block, then the
-                # persistent down grid's work counter
+                # the (block, 128 columns of I) arrival counters, then with ready_counters one per block
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
-                                            ((s.blocks * (i_p // 128 + s.ready_counters) + g2.persistent_counter,),
-                                             torch.int32))
+                                            ((s.blocks * (i_p // 128 + s.ready_counters),), torch.int32))
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
             ranks = rank if g13.resident_rows > 1 else None
             prologue = (g.gate_suh, g.up_suh, ids, route_row, ranks) if resident else ()

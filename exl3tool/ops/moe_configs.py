@@ -266,14 +266,6 @@ READY_COUNTERS_MIN_TOKENS = 4
 # -> 129.56 (130.37 -> 129.37), M=64 157.95 -> 156.56 (158.08 -> 156.65), M=16 104.81 -> 104.48; M=8, 128, 256 within
 # 0.5 either way (s65).
 COUNT_OUT_BEHIND_X = True
-# Where the down GEMM waits at block-ready counters, its grid is this many CTAs an SM (0: the plain grid, a CTA per
-# block and 16 x warps columns), each taking the plain grid's CTAs' work in their order at a stride of the grid
-# (MoEGemmConfig.persistent_ctas). In s64's traces (H100), while gate/up ran the down grid got a new CTA only where a
-# gate/up CTA left; the slots its own CTAs left stayed empty until gate/up's grid ended (M=16: 164 of 528 slots held
-# at 78 us, 34 SMs empty; M=256: 23 at 165 us). Off until an A/B measures it (built in the sixty-fifth session).
-PERSISTENT_DOWN_CTAS_PER_SM = 0
-# ... its CTAs taking their items from a work counter (MoEGemmConfig.persistent_counter), not at the grid's stride.
-PERSISTENT_DOWN_WORK_COUNTER = False
 # Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
 # its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
 # takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
@@ -681,12 +673,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             g2 = replace(g2, topk_sum=topk)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
-        if PERSISTENT_DOWN_CTAS_PER_SM and g2.ready_wait:
-            items = h_p // 16 // g2.warps * s.blocks * s.splits2  # the plain grid's CTAs
-            # launch bounds for that many an SM: all of the grid resident at once
-            g2 = replace(g2, persistent_ctas=min(PERSISTENT_DOWN_CTAS_PER_SM * sm_count, items),
-                         persistent_counter=PERSISTENT_DOWN_WORK_COUNTER,
-                         min_ctas_per_sm=max(g2.min_ctas_per_sm, PERSISTENT_DOWN_CTAS_PER_SM))
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks
                                                                              * s.splits2, sm_count)))
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))

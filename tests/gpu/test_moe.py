@@ -795,32 +795,6 @@ def test_count_out_behind_x_changes_no_bit(synthetic, name, m, monkeypatch):
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("counter", [False, True])
-@pytest.mark.parametrize("name,m,per_sm", [("qwen3-30b-shape-k4-mcg", 4, 4), ("qwen3-30b-shape-k4-mcg", 16, 4),
-                                           ("qwen3-30b-shape-k4-mcg", 16, 1), ("qwen3-30b-shape-k4-mcg", 256, 4),
-                                           ("two-groups-k3-k5", 33, 2), ("k3.5-mul1-shared-gated", 17, 1)])
-def test_persistent_down_changes_no_bit(synthetic, name, m, per_sm, counter, monkeypatch):
-    """moe_configs.PERSISTENT_DOWN_CTAS_PER_SM: the down GEMM's CTAs each take several of the plain grid's CTAs'
-    work in turn (at 1 an SM, most take several), at the grid's stride or from a work counter: the same MMAs for
-    each, so y is bit-identical to the plain grid's, eagerly (twice) and in graph replay (``layer_with``), and every
-    ready and work counter is back at zero."""
-    from exl3tool.ops.workspace import counters
-
-    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for value in (per_sm, 0):
-        y, made, _, _ = layer_with(monkeypatch, dmoe, x, {"PERSISTENT_DOWN_CTAS_PER_SM": value,
-                                                          "PERSISTENT_DOWN_WORK_COUNTER": counter and value > 0})
-        torch.cuda.synchronize()
-        assert not any(arena.any() for arena in counters._arenas.values()), (name, m)
-        downs = [c for c in made if c.planes == 1]
-        assert downs and all(c.ready_wait and (c.persistent_ctas > 0) == (value > 0) for c in downs), (name, m)
-        assert all(c.persistent_counter == (counter and value > 0) for c in downs), (name, m)
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]), (name, m)
-
-
 def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
     """64-row mcg route blocks run their GEMMs with 8 warps (targets.decode_warps): each output column's sums are
     the same MMAs in the same order as with 4, so y is bit-identical."""
