@@ -274,7 +274,8 @@ COUNT_OUT_BEHIND_X = True
 # (M=6 61.90 -> 80.61, M=8 77.75 -> 97.22: 6-8 rows of x beside the weight stages leave fewer of them) (s52).
 RESIDENT_INPUT_TOKENS = 4
 # Up to this many tokens (one) the down GEMM's last CTA per 128 columns does the top-k sum instead of a TopKSum
-# launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count).
+# launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count); above one, a counter
+# per token and 128 columns (MoEGemmConfig.topk_sum_rows; built in the sixty-sixth session, off until measured).
 FUSED_TOPK_TOKENS = 1
 # From this many tokens on, a GEMM of one K split stores its partials in fp16 (MoEGemmConfig.partials): half the
 # bytes of P's stores and of the Intermediate / TopKSum reads (M=4096, H100 ncu: 246 and 287 MB, 101 and 105 us,
@@ -427,9 +428,11 @@ def partials_dtype(tokens: int, splits: int) -> str:
     return "float16" if splits == 1 and tokens >= HALF_PARTIALS_MIN_TOKENS else "float32"
 
 
-def fused_topk(tokens: int, given: bool) -> bool:
-    """Does the down GEMM do the top-k sum? One token routed by the router: its k' routes in k' blocks."""
-    return tokens <= FUSED_TOPK_TOKENS and not given
+def fused_topk(tokens: int, given: bool, wgmma: bool, block_rows: int, sum_blocks: int) -> bool:
+    """Does the down GEMM do the top-k sum? Up to FUSED_TOPK_TOKENS tokens routed by the router (distinct experts a
+    token: a block's rows are distinct tokens), on mma.sync blocks of one warp column, a 128-column block a sum."""
+    one_column = GEMM_LAYOUT.get(block_rows, {}).get("warp_cols", 1) == 1
+    return tokens <= FUSED_TOPK_TOKENS and not given and not wgmma and one_column and sum_blocks == 1
 
 
 def sum_blocks_per_cta(tokens: int, col_blocks: int, sm_count: int) -> int:
@@ -638,7 +641,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
     topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2,
                          d.down_biased, EXPERT_INDEXED_ROWS and svh_rows_are_ids(d.groups))
-    topk_fused = fused_topk(tokens, given)
+    topk_fused = fused_topk(tokens, given, wgmma, s.block_rows, topk.blocks_per_cta)
     groups = []
     for g in d.groups:
         i_p = g.intermediate_padded
@@ -670,7 +673,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
-            g2 = replace(g2, topk_sum=topk)
+            g2 = replace(g2, topk_sum=topk, topk_sum_rows=tokens > 1)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks
