@@ -511,43 +511,42 @@ class MoEGemm(DecodeGemmKernel):
                     if cutlass.const_expr(cfg.ready_signal):
                         ptx.signal_count(block_ready_counter(mCounter, mBlockExpert, n_col_tiles // 8, blk), tid)
 
-            if cutlass.const_expr(cfg.topk_sum_rows):
-                block = col_tile0 // 8  # 128-column block of the hidden dim: each token's routes, splits, groups
+            if cutlass.const_expr(cfg.topk_sum is not None):
+                block = col_tile0 // 8  # 128-column block of the hidden dim: a token's routes, splits, groups count in
                 arrivals = cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits
-                cute.arch.sync_threads()  # P stored by every warp, and no warp still reads the weight stages (sTerm)
-                if tid < cfg.tokens_per_cta:
-                    sRoute[tid] = Int32(-1)
-                    sum_route = mRowRoute[tok0 + tid]
-                    if sum_route >= 0:  # (packed rows: distinct tokens, the block being one expert's)
-                        sum_tok = sum_route // mIds.shape[1]
-                        at = mSumCounter.iterator.toint() + (Int64(sum_tok) * (mP.shape[2] // 128) + block) * 4
-                        if ptx.atomic_add_acq_rel_u32(at, Int32(1)) == arrivals - 1:
-                            ptx.st_global_u32(at, Int32(0))  # ready for the next launch (and graph replay)
-                            sRoute[tid] = sum_tok
-                cute.arch.sync_threads()
-                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
-                for r in cutlass.range_constexpr(cfg.tokens_per_cta):
-                    summed_tok = sRoute[r]
-                    if summed_tok >= 0:
-                        topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm,
-                                       summed_tok, block, warp, cfg.warps, lane)
-                        cute.arch.sync_threads()  # warp 0 has read sTerm before the next token parks there
-                if cutlass.const_expr(ptx.TRACE_ADDR != 0):
-                    if tid == 0:  # the trace's flag: this CTA summed a token
-                        sLast[0] = Int32(0)
-                        for r in cutlass.range_constexpr(cfg.tokens_per_cta):
-                            sLast[0] = sLast[0] | cutlass.select_(sRoute[r] >= 0, Int32(1), Int32(0))
-            elif cutlass.const_expr(cfg.topk_sum is not None):
-                block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
-                counter = mSumCounter.iterator.toint() + Int64(block) * 4
-                ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
-                             0, tid)
-                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
-                if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
-                    topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0, block,
-                                   warp, cfg.warps, lane)
-                    if tid == 0:
-                        ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+                if cutlass.const_expr(cfg.topk_sum_rows):
+                    cute.arch.sync_threads()  # P stored by every warp, no warp still reads the weight stages (sTerm)
+                    if tid < cfg.tokens_per_cta:
+                        sRoute[tid] = Int32(-1)
+                        sum_route = mRowRoute[tok0 + tid]
+                        if sum_route >= 0:  # (packed rows: distinct tokens, the block being one expert's)
+                            sum_tok = sum_route // mIds.shape[1]
+                            at = mSumCounter.iterator.toint() + (Int64(sum_tok) * (mP.shape[2] // 128) + block) * 4
+                            if ptx.atomic_add_acq_rel_u32(at, Int32(1)) == arrivals - 1:
+                                ptx.st_global_u32(at, Int32(0))  # ready for the next launch (and graph replay)
+                                sRoute[tid] = sum_tok
+                    cute.arch.sync_threads()
+                    ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
+                    for r in cutlass.range_constexpr(cfg.tokens_per_cta):
+                        summed_tok = sRoute[r]
+                        if summed_tok >= 0:
+                            topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm,
+                                           summed_tok, block, warp, cfg.warps, lane)
+                            cute.arch.sync_threads()  # warp 0 has read sTerm before the next token parks there
+                    if cutlass.const_expr(ptx.TRACE_ADDR != 0):
+                        if tid == 0:  # the trace's flag: this CTA summed a token
+                            sLast[0] = Int32(0)
+                            for r in cutlass.range_constexpr(cfg.tokens_per_cta):
+                                sLast[0] = sLast[0] | cutlass.select_(sRoute[r] >= 0, Int32(1), Int32(0))
+                else:  # one token: a counter per 128 columns
+                    counter = mSumCounter.iterator.toint() + Int64(block) * 4
+                    ptx.count_in(counter, arrivals, sLast, 0, tid)
+                    ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
+                    if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
+                        topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0,
+                                       block, warp, cfg.warps, lane)
+                        if tid == 0:
+                            ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
             ptx.trace_stamp(region, ptx.TRACE_END)
             last = Int32(0)  # sLast[0]: this CTA arrived last at its fused tail's counter
             if cutlass.const_expr(cfg.intermediate_splits > 0 or cfg.topk_sum is not None):

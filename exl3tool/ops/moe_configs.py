@@ -428,11 +428,10 @@ def partials_dtype(tokens: int, splits: int) -> str:
     return "float16" if splits == 1 and tokens >= HALF_PARTIALS_MIN_TOKENS else "float32"
 
 
-def fused_topk(tokens: int, given: bool, wgmma: bool, block_rows: int, sum_blocks: int) -> bool:
+def fused_topk(tokens: int, given: bool, wgmma: bool, warp_cols: int, sum_blocks: int) -> bool:
     """Does the down GEMM do the top-k sum? Up to FUSED_TOPK_TOKENS tokens routed by the router (distinct experts a
     token: a block's rows are distinct tokens), on mma.sync blocks of one warp column, a 128-column block a sum."""
-    one_column = GEMM_LAYOUT.get(block_rows, {}).get("warp_cols", 1) == 1
-    return tokens <= FUSED_TOPK_TOKENS and not given and not wgmma and one_column and sum_blocks == 1
+    return tokens <= FUSED_TOPK_TOKENS and not given and not wgmma and warp_cols == 1 and sum_blocks == 1
 
 
 def sum_blocks_per_cta(tokens: int, col_blocks: int, sm_count: int) -> int:
@@ -641,7 +640,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
     topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2,
                          d.down_biased, EXPERT_INDEXED_ROWS and svh_rows_are_ids(d.groups))
-    topk_fused = fused_topk(tokens, given, wgmma, s.block_rows, topk.blocks_per_cta)
+    warp_cols = gemm_layout(s.block_rows, d.groups[0].w2_codebook, wgmma, tokens).get("warp_cols", 1)
+    topk_fused = fused_topk(tokens, given, wgmma, warp_cols, topk.blocks_per_cta)
     groups = []
     for g in d.groups:
         i_p = g.intermediate_padded
