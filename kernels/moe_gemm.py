@@ -349,7 +349,7 @@ class MoEGemm(DecodeGemmKernel):
 
         smem, sW, sX, sDec = allocate_smem(main)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
-        sRoute = sLast  # resident rows: the route in each row of the block (-1: padding)
+        sRoute = sLast  # resident rows: the route in each row (-1: padding); topk_sum_rows: the token summed there
         if cutlass.const_expr(cfg.resident_rows > 1 or cfg.topk_sum_rows):
             sRoute = smem.allocate_tensor(Int32, cute.make_layout(cfg.tokens_per_cta), 16)
         if cutlass.const_expr(cfg.smem_pad > 0):
