@@ -172,10 +172,6 @@ class MoEGemmConfig:
     # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
     # launched beside another kernel's last CTAs spreads over more SMs (moe_configs.spread_pad).
     smem_pad: int = 0
-    # Gate/up: each CTA has its share of its block's expert's down weights (``mNextW``, w2) fetched into the L2 by
-    # one bulk prefetch, at its "start" (once the expert is known) or behind its main "loop", so that the down
-    # GEMM's CTAs, latency-bound at a few tokens, read them from the L2; "": none. sm_90 and later.
-    prefetch_next: str = ""
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -211,8 +207,6 @@ class MoEGemmConfig:
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
         if self.count_out_behind_x and not self.ready_wait:
             raise ValueError("count_out_behind_x is ready_wait's")
-        if self.prefetch_next not in ("", "start", "loop") or (self.prefetch_next and self.planes != 2):
-            raise ValueError("prefetch_next is the gate/up GEMM's: '', 'start' or 'loop'")
         if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
                                  or self.input is not None or self.group_loops[-1] != self.token_groups
                                  or list(self.group_loops) != sorted(set(self.group_loops)) or self.group_loops[0] < 1):
@@ -296,7 +290,6 @@ class MoEGemm(DecodeGemmKernel):
         mWeights,
         mY,
         mSumCounter,
-        mNextW,
         stream: cuda.CUstream,
     ):
         """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
@@ -304,8 +297,7 @@ class MoEGemm(DecodeGemmKernel):
         (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None; mRank: the
         route ranks with resident rows, else None. mCounter: the fused intermediate's arrival counters (one per
         route block and 128 columns) and the blocks' ready counters after them, else None; mSumCounter: the fused
-        top-k sum's (one per 128 columns), else None. mNextW: the down GEMM's weights with prefetch_next, else
-        None."""
+        top-k sum's (one per 128 columns), else None."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
         if cutlass.const_expr(mCounter is None):
@@ -322,12 +314,10 @@ class MoEGemm(DecodeGemmKernel):
             mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
         if cutlass.const_expr(mSumCounter is None):
             mSumCounter = mP  # never touched: no fused top-k sum
-        if cutlass.const_expr(mNextW is None):
-            mNextW = mW  # never touched: no prefetch
         grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
-                    mSumCounter, mNextW).launch(
+                    mSumCounter).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
             **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
@@ -337,7 +327,7 @@ class MoEGemm(DecodeGemmKernel):
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mRank: cute.Tensor,
                mSvh: cute.Tensor, mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor,
-               mSumCounter: cute.Tensor, mNextW: cute.Tensor):
+               mSumCounter: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         region = ptx.TRACE_GATE_UP if cfg.planes == 2 else ptx.TRACE_DOWN  # the timing trace's (ptx.TRACE_ADDR)
         ptx.trace_stamp(region, ptx.TRACE_ENTRY)
@@ -372,8 +362,6 @@ class MoEGemm(DecodeGemmKernel):
         expert = mBlockExpert[blk]
         p = group_row_of(mGroupRow, expert, cfg.group_first, mW.shape[1])
         if expert >= 0 and p >= 0:
-            if cutlass.const_expr(cfg.prefetch_next == "start"):
-                prefetch_share(mNextW, p, bn, split, tid)
             n_col_tiles = mW.shape[3]
             k_tiles = mW.shape[2]
             words = self.plan.words_per_tile
@@ -487,8 +475,6 @@ class MoEGemm(DecodeGemmKernel):
                         tail = [g for g, skip in zip(groups, skippable) if skip]
                         store_partials(mP, acc, tail, split, plane * n_col_tiles * 16, col_tile0, tok0, lane)
             ptx.trace_stamp(region, ptx.TRACE_LOOP)
-            if cutlass.const_expr(cfg.prefetch_next == "loop"):
-                prefetch_share(mNextW, p, bn, split, tid)
             if cutlass.const_expr(cfg.next_after_loop):
                 ptx.launch_dependents()
 
@@ -570,21 +556,6 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
-
-
-@cute.jit
-def prefetch_share(mNextW: cute.Tensor, p: Int32, bn: Int32, split: Int32, tid: Int32):
-    """Thread 0 has this CTA's share of expert row ``p``'s weights in ``mNextW`` (``[1, E_g, k-tiles, col tiles,
-    words]``, an expert's contiguous) fetched into the L2: the grid's CTAs, x fastest, split it into 16-byte
-    multiples."""
-    gx, _, gz = cute.arch.grid_dim()
-    expert_bytes = mNextW.shape[2] * mNextW.shape[3] * mNextW.shape[4] * 4
-    ctas = gx * gz
-    share = (expert_bytes + 16 * ctas - 1) // (16 * ctas) * 16
-    begin = (split * gx + bn) * share
-    size = cutlass.min(share, expert_bytes - begin)
-    if tid == 0 and size > 0:
-        ptx.prefetch_l2(mNextW.iterator.toint() + Int64(p) * expert_bytes + begin, size)
 
 
 def tail_route(cfg: MoEGemmConfig, mRowRoute: cute.Tensor, sRoute: cute.Tensor, row, slot):

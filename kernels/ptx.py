@@ -388,14 +388,6 @@ def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
     _asm_void(values, "st.global.u32 [$0], $1;", "l,r", loc=loc, ip=ip)
 
 
-@dsl_user_op
-def prefetch_l2(gmem_addr, size_bytes, *, loc=None, ip=None) -> None:
-    """``size_bytes`` (a multiple of 16) from ``gmem_addr`` (16-byte aligned) into the L2, fire and forget
-    (``cp.async.bulk.prefetch.L2``, sm_90 and later)."""
-    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(size_bytes).ir_value(loc=loc, ip=ip)]
-    _asm_void(values, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc=loc, ip=ip)
-
-
 def _asm_i32_addr(gmem_addr, value, text, *, loc=None, ip=None) -> Int32:
     return Int32(
         llvm.inline_asm(

@@ -217,34 +217,6 @@ def test_down_gemm_with_the_topk_sum_fused_at_several_tokens(arch, tokens, monke
         dataclasses.replace(down, topk_sum=None)
 
 
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-@pytest.mark.parametrize("tokens,at", [(1, "start"), (1, "loop"), (4, "loop"), (8, "start")])
-def test_gate_up_gemm_prefetching_the_down_weights(arch, tokens, at, monkeypatch):
-    """PREFETCH_DOWN_TOKENS (MoEGemmConfig.prefetch_next): the gate/up GEMM issues one L2 bulk prefetch (its CTA's
-    share of the down weights), at its start, before any MMA, or behind its main loop, after every MMA; the same
-    MMAs and no spills; refused for the down GEMM."""
-    monkeypatch.setattr(moe_configs, "PREFETCH_DOWN_TOKENS", 8)
-    monkeypatch.setattr(moe_configs, "PREFETCH_DOWN_AT", at)
-    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
-                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
-    gate_up = moe_configs.step_configs(layer, tokens, False, arch, 132, "float16", "float16").groups[0].gate_up
-    assert gate_up.prefetch_next == at
-    plain = dataclasses.replace(gate_up, prefetch_next="")
-    ptx, plain_ptx = ptx_of(gate_up, arch), ptx_of(plain, arch)
-    prefetch = "cp.async.bulk.prefetch.L2.global"
-    assert ptx.count(prefetch) == 1 and prefetch not in plain_ptx and ptx.count(MMA) == plain_ptx.count(MMA) > 0
-    mmas = [i for i, line in enumerate(ptx.splitlines()) if MMA in line]
-    at_line = next(i for i, line in enumerate(ptx.splitlines()) if prefetch in line)
-    assert at_line < mmas[0] if at == "start" else at_line > mmas[-1]
-    from exl3tool.sass import gemm_report
-    kernel = gemm_report(gate_up, arch)
-    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
-    down = moe_configs.step_configs(layer, tokens, False, arch, 132, "float16", "float16").groups[0].down
-    assert down.prefetch_next == ""
-    with pytest.raises(ValueError):
-        dataclasses.replace(down, prefetch_next="loop")
-
-
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_80"])
 @pytest.mark.parametrize("config", [MoERouteConfig("softmax_topk", 128, 8), RouteInputRotationConfig("float16", 8, 1),
                                     MoEGemmConfig(4.0, "mcg", 2, token_groups=4), IntermediateConfig(2),

@@ -133,22 +133,6 @@ def test_down_does_the_topk_sum_up_to_fused_topk_tokens(name, arch, monkeypatch)
         assert all((c.topk_sum is not None) == fused and c.topk_sum_rows == (fused and tokens > 1) for c in downs)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
-def test_gate_up_prefetches_the_down_weights_up_to_prefetch_down_tokens(name, arch, monkeypatch):
-    """moe_configs.PREFETCH_DOWN_TOKENS: up to that many tokens every group's gate/up GEMM prefetches its down
-    weights at PREFETCH_DOWN_AT, where the GPU has bulk copies (sm_90 on); never the down GEMM; 0: none."""
-    d = {**LAYERS, **MODELS}[name]
-    for knob, at in ((0, "loop"), (4, "start"), (4, "loop")):
-        monkeypatch.setattr(moe_configs, "PREFETCH_DOWN_TOKENS", knob)
-        monkeypatch.setattr(moe_configs, "PREFETCH_DOWN_AT", at)
-        for tokens in (1, 2, 4, 5, 16):
-            step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")
-            on = tokens <= knob and arch != "sm_80"
-            assert all(g.gate_up.prefetch_next == (at if on else "") and g.down.prefetch_next == ""
-                       for g in step.groups), (knob, at, tokens)
-
-
 @pytest.mark.parametrize("knob", (8, 16, 64))
 def test_route_takes_one_token_block_up_to_route_one_block_tokens(knob, monkeypatch):
     """moe_configs.ROUTE_ONE_BLOCK_TOKENS: up to that many tokens (and at most 16) the route kernel's token tile

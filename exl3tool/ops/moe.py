@@ -344,8 +344,6 @@ class MoEPlan:
             prologue = (g.gate_suh, g.up_suh, ids, route_row, ranks) if resident else ()
             gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, gc.per13,
                        *tail, *prologue)
-            if g13.prefetch_next:
-                gate_up = K.with_next_weights(gate_up, g.w2)
             if gc.rotation is not None:
                 step.launches.append((K.launch_input_rotation, K.compiled(gc.rotation, arch),
                                       (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row, g.group_row,

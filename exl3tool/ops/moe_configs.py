@@ -20,8 +20,7 @@ from exl3tool.kernels.moe_gemm import MoEGemmConfig, fuses_intermediate
 from exl3tool.kernels.moe_rotate import SILU_GATING, Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import targets
-from exl3tool.ops.targets import (WGMMA_LAYOUT, check_whole_stages, decode_warps, has_bulk_copies, has_wgmma,
-                                  split_halves)
+from exl3tool.ops.targets import WGMMA_LAYOUT, check_whole_stages, decode_warps, has_wgmma, split_halves
 
 # Split-K aims for this many CTAs per SM (the dense GEMM: 8). At M=1 (8 blocks since block_bound) 8 would take 6 K
 # splits of gate/up, 1152 CTAs where 8 an SM fit (62 registers); 7 keeps every M's splits as they were before that
@@ -307,12 +306,6 @@ SLOT_BLOCKS = True
 # lines lost (M=1 22.34 -> 22.77). H100, E=128 top-8 2048x768 K=4 mcg, layer graph, two rounds, y bit-identical, us:
 # M=1 22.28 -> 21.99 (spreads 0.02) (docs/perf.md, sixty-first session).
 EARLY_PROLOGUE_LOADS = True
-# Up to this many tokens each gate/up CTA has its share of its block's expert's down weights fetched into the L2 by
-# one bulk prefetch (MoEGemmConfig.prefetch_next, at PREFETCH_DOWN_AT: its "start" or behind its main "loop"): at
-# M=1 the trace put down's CTAs' loops at 2.3-4.1 us for 8 KB each, latency-bound; 0: none (built in the
-# sixty-seventh session, off until measured).
-PREFETCH_DOWN_TOKENS = 0
-PREFETCH_DOWN_AT = "loop"
 
 
 @dataclass(frozen=True)
@@ -688,8 +681,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         rotation = None if resident13 is not None else replace(
             input_rotation_config(g, wgmma, order13, lane_values, slot_groups, x_dtype, k), early_next=early13)
         g13 = resident13 or replace(g13, weights_before_wait=early13)
-        if tokens <= PREFETCH_DOWN_TOKENS and has_bulk_copies(arch):
-            g13 = replace(g13, prefetch_next=PREFETCH_DOWN_AT)
         if s.fused_intermediate and s.block_rows in FUSED_TAIL_ROW_PAIRS and g13.tail_rows_per_warp % 2 == 0:
             g13 = replace(g13, tail_row_pairs=True)
         intermediate = None if s.fused_intermediate else intermediate_config(

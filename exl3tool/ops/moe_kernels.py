@@ -7,7 +7,6 @@ and launches on torch's current stream, so the launches are CUDA-graph capturabl
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 
 import cutlass
@@ -65,8 +64,7 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     row_route = fake_tensor(I32, rows) if cfg.takes_row_route else None
     counter = fake_tensor(I32, None) if cfg.intermediate_splits or cfg.ready_wait else None
     sum_counter = fake_tensor(I32, None) if cfg.topk_sum is not None else None
-    next_w = fake_tensor(I32, 1, None, None, None, None) if cfg.prefetch_next else None  # w2, as DeviceExpertGroup's
-    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk + [sum_counter, next_w],
+    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk + [sum_counter],
                     options)
 
 
@@ -118,18 +116,9 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
                 x2=None, row_route=None, counters=None, inter_true: int = 0, gate_suh=None, up_suh=None, ids=None,
-                route_row=None, rank=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None, next_w=None):
+                route_row=None, rank=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
-       inter_true, gate_suh, up_suh, ids, route_row, rank, svh, svh_row, weights, y, sum_counters, next_w)
-
-
-def with_next_weights(gemm_args: tuple, next_w) -> tuple:
-    """launch_gemm's positional ``gemm_args`` (a prefix of its parameters) with ``next_w`` (the weights a gate/up
-    GEMM with prefetch_next fetches into the L2) as its last argument."""
-    return gemm_args + (None,) * (GEMM_NEXT_W_INDEX - len(gemm_args)) + (next_w,)
-
-
-GEMM_NEXT_W_INDEX = list(inspect.signature(launch_gemm).parameters).index("next_w") - 1  # (fn is not an argument)
+       inter_true, gate_suh, up_suh, ids, route_row, rank, svh, svh_row, weights, y, sum_counters)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

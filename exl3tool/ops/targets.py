@@ -194,11 +194,6 @@ def has_wgmma(arch: str | None) -> bool:
     return arch is not None and arch.rstrip("af") in WGMMA_ARCHS
 
 
-def has_bulk_copies(arch: str | None) -> bool:
-    """Does ``arch`` have the ``cp.async.bulk`` instructions (sm_90 and later)?"""
-    return arch is not None and int(arch.rstrip("af").removeprefix("sm_")) >= 90
-
-
 def check_whole_stages(k_tiles: int, stage: int) -> None:
     """A GEMM's main loop runs whole stages of ``stage`` k-tiles in each K split: ``k_tiles`` must be a whole number
     of them, or the last split's remainder would go unread. Stages of up to 8 divide every K (in_p/16 is a multiple

@@ -627,25 +627,6 @@ def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
     one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "EARLY_PROLOGUE_LOADS", check)
 
 
-@pytest.mark.parametrize("at", ["start", "loop"])
-@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 1), ("qwen3-30b-shape-k4-mcg", 4),
-                                    ("qwen3-30b-shape-k4-mcg", 8), ("two-groups-k3-k5", 3),
-                                    ("k3.5-mul1-shared-gated", 2)])
-def test_down_weights_prefetch_changes_no_bit(synthetic, name, m, at, monkeypatch):
-    """moe_configs.PREFETCH_DOWN_TOKENS: each gate/up CTA has its share of its expert's down weights fetched into the
-    L2 (MoEGemmConfig.prefetch_next, at its start or behind its main loop), a hint: y bit-identical to none, with
-    poisoned scratch, eagerly; every group's gate/up planned with it."""
-    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
-    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    monkeypatch.setattr(moe_configs, "PREFETCH_DOWN_AT", at)
-
-    def check(plan, tokens):
-        assert [g.gate_up.prefetch_next for g in plan.configs(m, False).groups] == [at if tokens else ""] * len(
-            dmoe.groups)
-
-    assert_no_bit_changes(monkeypatch, dmoe, x, moe_configs, "PREFETCH_DOWN_TOKENS", (8, 0), check)
-
-
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe_configs.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
