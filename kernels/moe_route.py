@@ -160,7 +160,9 @@ def tiles_for(tokens: int) -> dict:
     larger ones beyond (less re-reading of router and activations). Any choice gives the same logits. H200, E=128
     top-8 hidden 2048, route kernel inside the layer (us, (expert, token) tiles): M=64 (32, 32) 23.5 -> (16, 8)
     10.1, M=256 (32, 32) 25.8 -> (32, 8) 14.9, M=16 (16, 16) 12.3 -> (16, 8) 9.7; route alone, M=1024: (32, 32)
-    29.4, (32, 8) 31.0."""
+    29.4, (32, 8) 31.0. One token block of 16 from 9 tokens (the last CTA counts and packs in shared memory, no
+    second arrival) lost too: H100, layer graph, two rounds, us: M=12 93.25 -> 93.65, M=16 105.92 -> 107.26
+    (docs/perf.md, sixty-eighth session)."""
     return dict(expert_tile=16 if tokens <= 64 else 32, token_tile=8 if tokens <= 256 else 32)
 
 

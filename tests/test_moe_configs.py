@@ -11,7 +11,7 @@ import pytest
 
 from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES
 from exl3tool.kernels.moe_rotate import Gating
-from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
+from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.ops import moe_configs
 from exl3tool.ops.moe_configs import GroupShape, LayerShape, step_configs
 from exl3tool.ops.runtime import compile_with_ptx
@@ -131,20 +131,6 @@ def test_down_does_the_topk_sum_up_to_fused_topk_tokens(name, arch, monkeypatch)
         fused = tokens <= 64 and not given and one_block and all(c.mma == "sync" and c.warp_cols == 1 for c in downs)
         assert (step.topk is None) == fused, (tokens, given)
         assert all((c.topk_sum is not None) == fused and c.topk_sum_rows == (fused and tokens > 1) for c in downs)
-
-
-@pytest.mark.parametrize("knob", (8, 16, 64))
-def test_route_takes_one_token_block_up_to_route_one_block_tokens(knob, monkeypatch):
-    """moe_configs.ROUTE_ONE_BLOCK_TOKENS: up to that many tokens (and at most 16) the route kernel's token tile
-    holds the whole batch, one token block; elsewhere its tiles are moe_route.tiles_for's."""
-    monkeypatch.setattr(moe_configs, "ROUTE_ONE_BLOCK_TOKENS", knob)
-    d = LAYERS["qwen3-30b-shape-k4-mcg"]
-    for tokens in range(1, 40):
-        route = step_configs(d, tokens, False, "sm_90a", 132, "float16", "float16").route
-        one_block = tokens <= min(knob, 16) or tokens <= tiles_for(tokens)["token_tile"]
-        assert (-(-tokens // route.token_tile) == 1) == one_block, tokens
-        assert route.expert_tile == tiles_for(tokens)["expert_tile"]
-        assert route.token_tile in (tiles_for(tokens)["token_tile"], 16), tokens
 
 
 @pytest.mark.parametrize("arch", ARCHS)

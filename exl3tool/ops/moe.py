@@ -255,7 +255,7 @@ class MoEPlan:
         self.weights = new(max_tokens * k, torch.float32)
         self.rank = new(max_tokens * k, torch.int32)
         # arrival counters (one per route token block, one for the last block) and per-expert counts: kept at zero
-        token_blocks = max(math.ceil(m / moe_configs.route_tiles(m)["token_tile"]) for m in range(1, max_tokens + 1))
+        token_blocks = max(math.ceil(m / moe_configs.tiles_for(m)["token_tile"]) for m in range(1, max_tokens + 1))
         self.counters = torch.zeros(token_blocks + 1, dtype=torch.int32, device=device)
         self.counts = torch.zeros(cfg.packed_experts, dtype=torch.int32, device=device)
         self.expert_row = new(cfg.packed_experts, torch.int32)

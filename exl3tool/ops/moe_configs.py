@@ -241,12 +241,6 @@ EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 8
 # M=256 251.4 -> 252.8, so only up to 16 tokens.
 EARLY_ROUTE_NEXT_TOKENS = 16
 CONTIGUOUS_GROUP_ROWS = True
-# Up to this many tokens the route kernel takes the whole batch in one token block (route_tiles: 16 tokens a CTA from
-# 9 tokens, at most two a top-k warp, which keeps its fast selection): its last CTA counts the routes in shared
-# memory and packs from them at once, with no global counts and no second arrival (s62's trace at M=16: the top-k
-# at 4.98 us, the packing to 7.07). Any tiles give the same bits. 8: tiles_for's (built in the sixty-seventh
-# session, off until measured).
-ROUTE_ONE_BLOCK_TOKENS = 8
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
@@ -451,15 +445,6 @@ def sum_blocks_per_cta(tokens: int, col_blocks: int, sm_count: int) -> int:
     return per_cta
 
 
-def route_tiles(tokens: int) -> dict:
-    """The route kernel's tiles at ``tokens``: moe_route.tiles_for's, with one token block up to
-    ROUTE_ONE_BLOCK_TOKENS (at most 16 tokens a CTA)."""
-    tiles = tiles_for(tokens)
-    if tiles["token_tile"] < tokens <= min(ROUTE_ONE_BLOCK_TOKENS, 16):
-        tiles = dict(tiles, token_tile=16)
-    return tiles
-
-
 def early_gate_up(tokens: int, resident: bool, wgmma: bool) -> bool:
     """Does the input rotation let the gate/up GEMM launch right after its wait, and that GEMM issue its first
     weight stages before its own (EARLY_GATE_UP_WEIGHTS_MIN_TOKENS)? mma.sync route blocks behind the rotation."""
@@ -649,7 +634,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **route_tiles(tokens))
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
