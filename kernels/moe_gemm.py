@@ -21,9 +21,7 @@ With ``topk_sum`` (down at M = 1, routes chosen by the router: one per block, in
 does the ``TopKSum`` kernel's work: every CTA counts in at its 128-column block of the hidden dim (each route's
 block, split and the CTAs of its columns: ``k' * 128/(16*warps) * splits`` arrivals over every group's launch,
 which share the counter), and the last one sums the token's slot terms for those columns in slot order
-(``moe_rotate.topk_sum_block``, the same code) into y, then resets the counter. With ``topk_sum_rows`` (a few
-tokens: a route block's rows are distinct tokens' routes) the counters are per token too: each CTA counts every route
-of its block in at its token's, and sums the tokens it arrived last for, one after another.
+(``moe_rotate.topk_sum_block``, the same code) into y, then resets the counter.
 
 With ``input`` (gate/up at M = 1, router-chosen distinct experts: each block's one route sits in its first row) X
 is x itself: each CTA rotates the token's x with its expert's gate or up suh into shared memory while its first
@@ -107,14 +105,10 @@ class MoEGemmConfig:
     resident_k_tiles: int = 0
     resident_rows: int = 1
     split_halves: bool = False  # one token group, mcg/3inst: each weight's two fp16 halves to two MMAs (mainloop)
-    # Down at M = 1 (router-chosen routes: each route alone in its block, in its first row): the GEMM also does the
-    # ``TopKSum`` launch's work for the token in the last CTA to arrive at each 128-column block (all routes, splits
-    # and groups: the counter spans every group's launch); ``topk_sum`` is that launch's config.
+    # Down at M = 1 only (router-chosen routes: each route alone in its block, in its first row): the GEMM also does
+    # the ``TopKSum`` launch's work for the token in the last CTA to arrive at each 128-column block (all routes,
+    # splits and groups: the counter spans every group's launch); ``topk_sum`` is that launch's config.
     topk_sum: TopKSumConfig | None = None
-    # topk_sum at a few tokens (route blocks of several tokens' routes): a counter per token and 128 columns
-    # (``[tokens, H_p/128]``); each CTA counts in for each route of its block (a thread a row), and sums the tokens
-    # it arrived last for, one after another.
-    topk_sum_rows: bool = False
     # X's column order, as GemmConfig.x_order: what the route input rotation (or the intermediate, for the down
     # GEMM) writes (rotate.store_x_values); x2_order: the fused intermediate's X2 (the down GEMM's x_order)
     x_order: str = "rows"
@@ -190,11 +184,9 @@ class MoEGemmConfig:
             raise ValueError("gating is the fused intermediate's (intermediate_splits > 0)")
         if self.input is not None and self.planes != 2:
             raise ValueError("only the gate/up GEMM rotates its own input")
-        if self.topk_sum is not None and (self.planes != 1 or self.warp_cols != 1 or self.topk_sum.blocks_per_cta != 1
-                                          or (self.token_groups != 1 and not self.topk_sum_rows)):
-            raise ValueError("the fused top-k sum is for the down GEMM (at one token in 8-row blocks)")
-        if self.topk_sum_rows and self.topk_sum is None:
-            raise ValueError("topk_sum_rows is topk_sum's")
+        if self.topk_sum is not None and (self.planes != 1 or self.token_groups != 1 or self.warp_cols != 1
+                                          or self.topk_sum.blocks_per_cta != 1):
+            raise ValueError("the fused top-k sum is for the down GEMM at one token (8-row blocks)")
         if self.mma == "wgmma" and (self.input is not None or self.topk_sum is not None):
             raise ValueError("the M = 1 prologue and the fused top-k sum are for mma.sync's one-row blocks")
         if self.early_prologue_loads and (self.input is None or self.resident_rows != 1):
@@ -236,7 +228,7 @@ class MoEGemmConfig:
     def takes_row_route(self) -> bool:
         """Does the kernel take row_route (the route of each packed row, -1 for padding)?"""
         return bool(self.intermediate_splits or self.input is not None or self.skip_padding_tail
-                    or self.group_loops or self.topk_sum_rows)
+                    or self.group_loops)
 
     @property
     def tokens_per_cta(self) -> int:
@@ -260,8 +252,7 @@ class MoEGemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # sRoute: each row's route (resident rows) or the token the fused sum takes there (topk_sum_rows)
-        routes = 4 * self.tokens_per_cta if self.resident_rows > 1 or self.topk_sum_rows else 0
+        routes = 4 * self.tokens_per_cta if self.resident_rows > 1 else 0  # sRoute: each row's route
         return self.mainloop.smem_bytes + 4 * self.extra_term_words + routes + self.smem_pad
 
 
@@ -349,8 +340,8 @@ class MoEGemm(DecodeGemmKernel):
 
         smem, sW, sX, sDec = allocate_smem(main)
         sLast = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
-        sRoute = sLast  # resident rows: the route in each row (-1: padding); topk_sum_rows: the token summed there
-        if cutlass.const_expr(cfg.resident_rows > 1 or cfg.topk_sum_rows):
+        sRoute = sLast  # resident rows: the route in each row of the block (-1: padding)
+        if cutlass.const_expr(cfg.resident_rows > 1):
             sRoute = smem.allocate_tensor(Int32, cute.make_layout(cfg.tokens_per_cta), 16)
         if cutlass.const_expr(cfg.smem_pad > 0):
             smem.allocate_tensor(Int32, cute.make_layout(cfg.smem_pad // 4), 16)  # held, never touched
@@ -512,41 +503,16 @@ class MoEGemm(DecodeGemmKernel):
                         ptx.signal_count(block_ready_counter(mCounter, mBlockExpert, n_col_tiles // 8, blk), tid)
 
             if cutlass.const_expr(cfg.topk_sum is not None):
-                block = col_tile0 // 8  # 128-column block of the hidden dim: a token's routes, splits, groups count in
-                arrivals = cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits
-                if cutlass.const_expr(cfg.topk_sum_rows):
-                    cute.arch.sync_threads()  # P stored by every warp, no warp still reads the weight stages (sTerm)
-                    if tid < cfg.tokens_per_cta:
-                        sRoute[tid] = Int32(-1)
-                        sum_route = mRowRoute[tok0 + tid]
-                        if sum_route >= 0:  # (packed rows: distinct tokens, the block being one expert's)
-                            sum_tok = sum_route // mIds.shape[1]
-                            at = mSumCounter.iterator.toint() + (Int64(sum_tok) * (mP.shape[2] // 128) + block) * 4
-                            if ptx.atomic_add_acq_rel_u32(at, Int32(1)) == arrivals - 1:
-                                ptx.st_global_u32(at, Int32(0))  # ready for the next launch (and graph replay)
-                                sRoute[tid] = sum_tok
-                    cute.arch.sync_threads()
-                    ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
-                    for r in cutlass.range_constexpr(cfg.tokens_per_cta):
-                        summed_tok = sRoute[r]
-                        if summed_tok >= 0:
-                            topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm,
-                                           summed_tok, block, warp, cfg.warps, lane)
-                            cute.arch.sync_threads()  # warp 0 has read sTerm before the next token parks there
-                    if cutlass.const_expr(ptx.TRACE_ADDR != 0):
-                        if tid == 0:  # the trace's flag: this CTA summed a token
-                            sLast[0] = Int32(0)
-                            for r in cutlass.range_constexpr(cfg.tokens_per_cta):
-                                sLast[0] = sLast[0] | cutlass.select_(sRoute[r] >= 0, Int32(1), Int32(0))
-                else:  # one token: a counter per 128 columns
-                    counter = mSumCounter.iterator.toint() + Int64(block) * 4
-                    ptx.count_in(counter, arrivals, sLast, 0, tid)
-                    ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
-                    if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
-                        topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0,
-                                       block, warp, cfg.warps, lane)
-                        if tid == 0:
-                            ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
+                block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
+                counter = mSumCounter.iterator.toint() + Int64(block) * 4
+                ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
+                             0, tid)
+                ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
+                if sLast[0] != 0:  # (count_in's barrier: no warp still reads the weight stages that hold sTerm)
+                    topk_sum_block(cfg.topk_sum, mP, mSvh, mSvhRow, mIds, mWeights, mRouteRow, mY, sTerm, 0, block,
+                                   warp, cfg.warps, lane)
+                    if tid == 0:
+                        ptx.st_global_u32(counter, Int32(0))  # ready for the next launch (and graph replay)
             ptx.trace_stamp(region, ptx.TRACE_END)
             last = Int32(0)  # sLast[0]: this CTA arrived last at its fused tail's counter
             if cutlass.const_expr(cfg.intermediate_splits > 0 or cfg.topk_sum is not None):

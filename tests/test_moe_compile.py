@@ -192,31 +192,6 @@ def test_down_gemm_with_the_topk_sum_fused(bits, codebook, routes, out_dtype, sp
             dataclasses.replace(cfg, **wrong)
 
 
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-@pytest.mark.parametrize("tokens", [4, 16])
-def test_down_gemm_with_the_topk_sum_fused_at_several_tokens(arch, tokens, monkeypatch):
-    """FUSED_TOPK_TOKENS above 1 (MoEGemmConfig.topk_sum_rows): the down GEMM of route blocks holding several
-    tokens' routes counts each row's route in at its token's counter (one acq_rel atomic more than the plain down
-    GEMM, which at these M waits at ready counters) and sums the tokens it was last for: the same MMAs, the sum's
-    rotation unrolled a row at a time, no spills, the rows' tokens in shared memory; refused without the sum."""
-    monkeypatch.setattr(moe_configs, "FUSED_TOPK_TOKENS", 16)
-    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
-                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
-    down = moe_configs.step_configs(layer, tokens, False, arch, 132, "float16", "float16").groups[0].down
-    assert down.topk_sum_rows and down.topk_sum is not None and down.takes_row_route
-    plain = dataclasses.replace(down, topk_sum=None, topk_sum_rows=False)
-    ptx, plain_ptx = ptx_of(down, arch), ptx_of(plain, arch)
-    assert ptx.count(ARRIVAL) == plain_ptx.count(ARRIVAL) + 1 and ptx.count(MMA) == plain_ptx.count(MMA) > 0
-    per_warp = -(-8 // down.warps)  # a warp's slots of a token's sum, unrolled for each row's token
-    assert ptx.count("shfl.sync.bfly") - plain_ptx.count("shfl.sync.bfly") == down.tokens_per_cta * 5 * 4 * per_warp
-    assert down.smem_bytes == plain.smem_bytes + 4 * down.tokens_per_cta + 4 * down.extra_term_words
-    from exl3tool.sass import gemm_report
-    kernel = gemm_report(down, arch)
-    assert kernel.frame_bytes == 0 and kernel.spill_instructions == 0
-    with pytest.raises(ValueError):
-        dataclasses.replace(down, topk_sum=None)
-
-
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_80"])
 @pytest.mark.parametrize("config", [MoERouteConfig("softmax_topk", 128, 8), RouteInputRotationConfig("float16", 8, 1),
                                     MoEGemmConfig(4.0, "mcg", 2, token_groups=4), IntermediateConfig(2),

@@ -117,24 +117,6 @@ def test_down_counts_out_behind_its_x_where_it_waits_at_counters(name, arch, mon
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [*LAYERS, *MODELS])
-def test_down_does_the_topk_sum_up_to_fused_topk_tokens(name, arch, monkeypatch):
-    """moe_configs.FUSED_TOPK_TOKENS: up to that many router-chosen tokens, every group's down GEMM does the top-k
-    sum (above one token by a counter per token: topk_sum_rows) and no TopKSum launches, where its blocks are
-    mma.sync ones of one warp column and the sum takes one 128-column block a CTA; never for the caller's routes
-    (an expert may repeat in a block)."""
-    d = {**LAYERS, **MODELS}[name]
-    monkeypatch.setattr(moe_configs, "FUSED_TOPK_TOKENS", 64)
-    for tokens, given in itertools.product((1, 2, 4, 16, 33, 64, 256), (False, True)):
-        step = step_configs(d, tokens, given, arch, typical_sms(arch), "float16", "float16")
-        downs = [g.down for g in step.groups]
-        one_block = moe_configs.sum_blocks_per_cta(tokens, d.hidden_padded // 128, typical_sms(arch)) == 1
-        fused = tokens <= 64 and not given and one_block and all(c.mma == "sync" and c.warp_cols == 1 for c in downs)
-        assert (step.topk is None) == fused, (tokens, given)
-        assert all((c.topk_sum is not None) == fused and c.topk_sum_rows == (fused and tokens > 1) for c in downs)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", [*LAYERS, *MODELS])
 def test_resident_route_rows_plan_where_the_gate_up_stages_take_them(name, arch, monkeypatch):
     """With RESIDENT_INPUT_TOKENS at 8 (the candidate), every step of 1-8 tokens plans: the gate/up GEMM takes the
     rows where its stages can (``GemmConfig.takes_input``) and they fit, else the input rotation launches. Found on

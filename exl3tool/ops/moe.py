@@ -321,10 +321,8 @@ class MoEPlan:
                                                                 row_route)))
         p2 = partials_view(self.p2, c.groups[0].down.partials, (s.splits2, rows, h_p))
         col_blocks = h_p // 128
-        # the top-k sum's counters first (one per 128 columns; at several tokens, per token too): the same ones for
-        # every group's down GEMM (their CTAs all count in)
-        sum_counters = col_blocks * (tokens if c.groups[0].down.topk_sum_rows else 1)
-        (topk_counter,) = counters.views(d.device, ((sum_counters,), torch.int32))
+        # the top-k sum's counters first: the same ones for every group's down GEMM (their CTAs all count in)
+        (topk_counter,) = counters.views(d.device, ((col_blocks,), torch.int32))
         for g, gc in zip(d.groups, c.groups):
             i_p = g.intermediate_padded
             hx, ix = x_row_halves(h_p, gc.order13), x_row_halves(i_p, gc.order2)

@@ -274,8 +274,10 @@ COUNT_OUT_BEHIND_X = True
 # (M=6 61.90 -> 80.61, M=8 77.75 -> 97.22: 6-8 rows of x beside the weight stages leave fewer of them) (s52).
 RESIDENT_INPUT_TOKENS = 4
 # Up to this many tokens (one) the down GEMM's last CTA per 128 columns does the top-k sum instead of a TopKSum
-# launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count); above one, a counter
-# per token and 128 columns (MoEGemmConfig.topk_sum_rows; built in the sixty-sixth session, off until measured).
+# launch (the one token's k' routes are then k' blocks, known at plan time: the arrival count). The sum at several
+# tokens (a counter per token and 128 columns; each down CTA counted its block's routes in, a thread a row, and summed
+# the tokens it arrived last for) lost: H100, layer graph, one round, y bit-identical, us: M=2 34.34 -> 36.46, M=4
+# 51.53 -> 53.84 (docs/perf.md, sixty-eighth session; removed, its code at 0a53f8f).
 FUSED_TOPK_TOKENS = 1
 # From this many tokens on, a GEMM of one K split stores its partials in fp16 (MoEGemmConfig.partials): half the
 # bytes of P's stores and of the Intermediate / TopKSum reads (M=4096, H100 ncu: 246 and 287 MB, 101 and 105 us,
@@ -428,10 +430,9 @@ def partials_dtype(tokens: int, splits: int) -> str:
     return "float16" if splits == 1 and tokens >= HALF_PARTIALS_MIN_TOKENS else "float32"
 
 
-def fused_topk(tokens: int, given: bool, wgmma: bool, warp_cols: int, sum_blocks: int) -> bool:
-    """Does the down GEMM do the top-k sum? Up to FUSED_TOPK_TOKENS tokens routed by the router (distinct experts a
-    token: a block's rows are distinct tokens), on mma.sync blocks of one warp column, a 128-column block a sum."""
-    return tokens <= FUSED_TOPK_TOKENS and not given and not wgmma and warp_cols == 1 and sum_blocks == 1
+def fused_topk(tokens: int, given: bool) -> bool:
+    """Does the down GEMM do the top-k sum? One token routed by the router: its k' routes in k' blocks."""
+    return tokens <= FUSED_TOPK_TOKENS and not given
 
 
 def sum_blocks_per_cta(tokens: int, col_blocks: int, sm_count: int) -> int:
@@ -640,8 +641,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
     topk = TopKSumConfig(k, out_dtype, s.splits2, sum_blocks_per_cta(tokens, h_p // 128, sm_count), partials2,
                          d.down_biased, EXPERT_INDEXED_ROWS and svh_rows_are_ids(d.groups))
-    warp_cols = gemm_layout(s.block_rows, d.groups[0].w2_codebook, wgmma, tokens).get("warp_cols", 1)
-    topk_fused = fused_topk(tokens, given, wgmma, warp_cols, topk.blocks_per_cta)
+    topk_fused = fused_topk(tokens, given)
     groups = []
     for g in d.groups:
         i_p = g.intermediate_padded
@@ -673,7 +673,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
-            g2 = replace(g2, topk_sum=topk, topk_sum_rows=tokens > 1)
+            g2 = replace(g2, topk_sum=topk)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks

@@ -49,13 +49,12 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     if cfg.input is not None:  # x itself; gate and up suh
         x = fake_tensor(DTYPES[cfg.input], cfg.resident_rows, None, align=2)
         suh = [fake_tensor(F16, None, None), fake_tensor(F16, None, None)]
-    tokens = None if cfg.topk_sum_rows else cfg.resident_rows  # rows of topk_ids (and of topk_weights and y)
     if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row; with resident rows the ranks
-        routes = [fake_tensor(I32, tokens, None), fake_tensor(I32, None),
+        routes = [fake_tensor(I32, cfg.resident_rows, None), fake_tensor(I32, None),
                   fake_tensor(I32, None) if cfg.resident_rows > 1 else None]
     if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y
-        topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, tokens, None),
-                fake_tensor(DTYPES[cfg.topk_sum.out_dtype], tokens, None)]
+        topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, 1, None),
+                fake_tensor(DTYPES[cfg.topk_sum.out_dtype], 1, None)]
     args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), partials_tensor(cfg, rows),
             fake_tensor(I32, None), fake_tensor(I32, None), 0]
     inter = [None] * 2
