@@ -1,5 +1,8 @@
 """The A/B tool's parsing, overrides and report (``exl3tool.bench.ab``); the timing itself needs a GPU."""
 
+import sys
+import time
+
 import pytest
 
 from exl3tool import format as exl3_format
@@ -157,15 +160,16 @@ def test_without_a_gpu_it_is_a_usage_error(monkeypatch, capsys):
 
 class FakeWorkers:
     """subprocess.run for run_workers: each call takes ``seconds`` of a fake clock and prints one result line of
-    its variant (the command's ``--variant`` text), or fails where ``fails`` names that variant."""
+    its variant (the command's ``--variant`` text) per case, or fails where ``fails`` names that variant, or hangs
+    after its first case where ``hangs`` does (killed at the timeout, its first line captured as bytes)."""
 
-    def __init__(self, seconds: float, fails: str = ""):
-        self.now, self.seconds, self.fails, self.calls = 0.0, seconds, fails, []
+    def __init__(self, seconds: float, fails: str = "", hangs: str = ""):
+        self.now, self.seconds, self.fails, self.hangs, self.calls = 0.0, seconds, fails, hangs, []
 
     def clock(self) -> float:
         return self.now
 
-    def run(self, cmd, capture_output, text):
+    def run(self, cmd, capture_output, text, timeout=None):
         import subprocess
 
         assert capture_output and text
@@ -173,8 +177,11 @@ class FakeWorkers:
         name = cmd[cmd.index("--variant") + 1].partition(":")[0]
         cases = cmd[cmd.index("--replays") + 2:]
         self.calls.append((name, cases))
-        out = "".join(f"{ab.RESULT} {name} {case} {10 + len(self.calls)}.0 aaaa launches=5\n" for case in cases)
-        return subprocess.CompletedProcess(cmd, 3 if name == self.fails else 0, out, "boom")
+        out = [f"{ab.RESULT} {name} {case} {10 + len(self.calls)}.0 aaaa launches=5\n" for case in cases]
+        if name == self.hangs:
+            assert timeout is not None
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out[0].encode())
+        return subprocess.CompletedProcess(cmd, 3 if name == self.fails else 0, "".join(out), "boom")
 
 
 def commands(cases_for: dict[str, list[str]]):
@@ -206,8 +213,44 @@ def test_a_budget_stops_new_workers_and_a_failure_stops_the_run():
     assert len(ran.lines) == 3
     fake = FakeWorkers(seconds=1, fails="new")
     ran = ab.run_workers(commands({"base": ["moe:1"], "new": ["moe:1"]}), 3, run=fake.run, clock=fake.clock)
-    assert ran.failed and "variant new: worker failed (exit 3)" in ran.stopped and "boom" in ran.stopped
-    assert [name for name, _ in fake.calls] == ["base", "new"] and len(ran.lines) == 2
+    assert ran.failed and ran.stopped is None and len(ran.dropped) == 1
+    assert "variant new: worker failed (exit 3)" in ran.dropped[0] and "boom" in ran.dropped[0]
+    assert [name for name, _ in fake.calls] == ["base", "new", "base", "base"]  # new dropped, base goes on
+    assert len(ran.lines) == 4
+
+
+def test_a_hung_worker_is_killed_and_its_variant_dropped_keeping_its_lines(tmp_path):
+    fake = FakeWorkers(seconds=1, hangs="new")
+    cases = {"base": ["moe:2", "moe:8"], "new": ["moe:2", "moe:8"]}
+    with open(tmp_path / "lines.txt", "a") as lines_out:
+        ran = ab.run_workers(commands(cases), 2, lines_out=lines_out, run=fake.run, clock=fake.clock,
+                             worker_timeout_s=60)
+    assert [name for name, _ in fake.calls] == ["base", "new", "base"]
+    assert ran.failed and ran.dropped == ["variant new: worker killed after 60 s (round 1; a hung kernel?); its "
+                                          "later cases did not run"]
+    assert [line.split()[1:3] for line in ran.lines] == [["base", "moe:2"], ["base", "moe:8"], ["new", "moe:2"],
+                                                        ["base", "moe:2"], ["base", "moe:8"]]
+    assert (tmp_path / "lines.txt").read_text().splitlines() == ran.lines
+    table = ab.summarize(ran.lines).splitlines()
+    assert next(r for r in table if r.startswith("moe:8")).split()[1:] == ["12.00", "-", "same"]
+
+
+def test_a_worker_timeout_is_a_positive_number_of_seconds(capsys):
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit) as exit_:
+            ab.main(["--variant", "a", "--worker-timeout-s", bad, "moe:1"])
+        assert exit_.value.code == 2 and "a number of seconds above 0" in capsys.readouterr().err
+
+
+def test_a_real_worker_past_its_timeout_is_killed_with_its_printed_lines_kept():
+    """The kill path through subprocess.run itself: what a killed worker printed comes back as bytes."""
+    line = f"{ab.RESULT} slow moe:1 12.000 aaaa launches=4"
+    script = f"import time; print({line!r}, flush=True); time.sleep(60)"
+    cmd = [sys.executable, "-c", script, "--variant", "slow", "--replays", "1", "moe:1"]
+    began = time.monotonic()
+    ran = ab.run_workers([("slow", cmd)], 3, worker_timeout_s=2)
+    assert time.monotonic() - began < 30
+    assert ran.lines == [line] and len(ran.dropped) == 1 and "killed after 2 s" in ran.dropped[0]
 
 
 def test_cases_for_names_a_variant_and_cases_of_the_run():

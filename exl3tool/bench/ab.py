@@ -1,6 +1,7 @@
 """A/B of tuning constants: each variant in its own processes, taking turns, y digests compared.
 
     python -m exl3tool.bench.ab [--rounds N] [--replays R] [--profile] [--timeline] [--budget-s S] [--lines-out FILE]
+                                [--worker-timeout-s S]
                                 --variant NAME[:MODULE.ATTR=VALUE;...] ... [--cases-for NAME=CASE,...] CASE ...
 
 A variant sets module attributes (``VALUE`` a Python literal) before anything runs, e.g. ``--variant base --variant
@@ -12,7 +13,9 @@ time a call, ``--timeline`` each kernel's start and end in a call (us from its f
 kernel starts before the one it waits for ends, so its time alone says little about the call's critical path).
 ``--cases-for`` gives a variant fewer cases than the others (where its override matters); ``--budget-s`` starts no
 worker past that many seconds and reports the rounds that ran, and ``--lines-out`` keeps every worker's lines as
-they come, so that a machine's time limit leaves the measurements taken so far.
+they come, so that a machine's time limit leaves the measurements taken so far. A worker that fails, or that
+``--worker-timeout-s`` kills (a kernel that hangs), drops its variant from the later rounds; the others go on, and
+the exit status is 1.
 
 Why processes, in turns: two processes of one variant differ by up to ~1 us at M=1 while one process's replays agree
 within 0.1 (docs/perf.md, Method), and two compiled copies of one kernel config in one process are unsafe.
@@ -32,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exl3tool.ops import kernel_cache
 
@@ -350,33 +353,54 @@ def _moe_folder() -> str:
 class Run:
     lines: list[str]  # the workers' output lines
     stopped: str | None = None  # why it ended before its last round, if it did
-    failed: bool = False  # a worker failed (the budget running out is not a failure)
+    dropped: list[str] = field(default_factory=list)  # why each dropped variant was dropped (a failed worker)
+
+    @property
+    def failed(self) -> bool:
+        """A worker failed or timed out (the budget running out is not a failure)."""
+        return bool(self.dropped)
+
+
+def _text(output) -> str:
+    """A worker's captured stdout: a timed-out run leaves it as bytes (or None) whatever ``text`` asked for."""
+    if output is None:
+        return ""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def run_workers(commands: list[tuple[str, list[str]]], rounds: int, budget_s: float | None = None,
-                lines_out=None, run=subprocess.run, clock=time.monotonic) -> Run:
+                lines_out=None, run=subprocess.run, clock=time.monotonic,
+                worker_timeout_s: float | None = None) -> Run:
     """Run each ``(variant name, worker command)`` once per round, variants in turns. No worker starts once
-    ``budget_s`` seconds have passed; a failed worker stops the run. Progress goes to stderr; ``lines_out`` (a text
-    file) gets each worker's lines as it ends."""
-    start, lines = clock(), []
+    ``budget_s`` seconds have passed. A worker that fails, or runs past ``worker_timeout_s`` (a hung kernel: it
+    is killed), drops its variant from the later rounds; the others go on, and the lines it printed stay. Progress
+    goes to stderr; ``lines_out`` (a text file) gets each worker's lines as it ends."""
+    start, lines, dropped = clock(), [], {}
     for r in range(1, rounds + 1):
         for name, cmd in commands:
+            if name in dropped:
+                continue
             if budget_s is not None and clock() - start >= budget_s:
                 return Run(lines, f"budget of {budget_s:g} s spent after {clock() - start:.0f} s (round {r} of "
-                                  f"{rounds} not finished)")
+                                  f"{rounds} not finished)", list(dropped.values()))
             began = clock()
-            done = run(cmd, capture_output=True, text=True)
-            out = done.stdout.splitlines()
+            try:
+                done = run(cmd, capture_output=True, text=True, timeout=worker_timeout_s)
+                out, ended = done.stdout.splitlines(), ""
+                if done.returncode:
+                    dropped[name] = f"variant {name}: worker failed (exit {done.returncode})\n{done.stderr[-2000:]}"
+                    ended = ", failed"
+            except subprocess.TimeoutExpired as timeout:
+                out, ended = _text(timeout.stdout).splitlines(), f", killed after {worker_timeout_s:g} s"
+                dropped[name] = (f"variant {name}: worker killed after {worker_timeout_s:g} s (round {r}; a hung "
+                                 f"kernel?); its later cases did not run")
             lines += out
             if lines_out is not None:
                 lines_out.write("".join(f"{line}\n" for line in out))
                 lines_out.flush()
-            print(f"round {r}/{rounds} {name}: {clock() - began:.1f} s, {clock() - start:.0f} s in all",
+            print(f"round {r}/{rounds} {name}: {clock() - began:.1f} s{ended}, {clock() - start:.0f} s in all",
                   file=sys.stderr, flush=True)
-            if done.returncode:
-                why = f"variant {name}: worker failed (exit {done.returncode})\n{done.stderr[-2000:]}"
-                return Run(lines, why, failed=True)
-    return Run(lines)
+    return Run(lines, None, list(dropped.values()))
 
 
 def variant_cases(texts: list[str], variants: list[Variant], cases: list[str]) -> dict[str, list[str]]:
@@ -406,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", action="store_true", help="also each kernel's start and end in a call")
     p.add_argument("--budget-s", type=float, help="start no worker after this many seconds; report what ran")
     p.add_argument("--lines-out", metavar="FILE", help="append every worker's output lines here as it ends")
+    p.add_argument("--worker-timeout-s", type=float, metavar="S",
+                   help="kill a worker after this many seconds and drop its variant (a hung kernel)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--moe-folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -417,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         if len({v.name for v in variants}) != len(variants):
             raise ValueError("variant names must differ")
         cases_for = variant_cases(args.cases_for, variants, args.cases)
+        if args.worker_timeout_s is not None and not args.worker_timeout_s > 0:
+            raise ValueError(f"--worker-timeout-s {args.worker_timeout_s:g}: a number of seconds above 0")
     except ValueError as error:
         p.error(str(error))
     if args.worker:
@@ -438,15 +466,15 @@ def main(argv: list[str] | None = None) -> int:
                           *(["--moe-folder", folder] if folder else []), *cases_for[v.name]])
                 for v, text in zip(variants, args.variant)]
     try:
-        ran = run_workers(commands, args.rounds, args.budget_s, lines_out)
+        ran = run_workers(commands, args.rounds, args.budget_s, lines_out, worker_timeout_s=args.worker_timeout_s)
     finally:
         if lines_out is not None:
             lines_out.close()
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
     print(summarize(ran.lines))
-    if ran.stopped:
-        print(ran.stopped, file=sys.stderr)
+    for why in [*ran.dropped, *([ran.stopped] if ran.stopped else [])]:
+        print(why, file=sys.stderr)
     return 1 if ran.failed else 0
 
 
