@@ -353,7 +353,7 @@ def _moe_folder() -> str:
 class Run:
     lines: list[str]  # the workers' output lines
     stopped: str | None = None  # why it ended before its last round, if it did
-    dropped: list[str] = field(default_factory=list)  # why each dropped variant was dropped (a failed worker)
+    dropped: list[str] = field(default_factory=list)  # why each variant was dropped (its worker failed or was killed)
 
     @property
     def failed(self) -> bool:
