@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from exl3tool.bench.trace import live_ctas, main, report, slot_budget, spread
+from exl3tool.bench.trace import live_ctas, load, main, report, save, slot_budget, spread
 from exl3tool.kernels import ptx
 
 T0 = 5_000_000  # ns: the route's first entry
@@ -92,3 +92,35 @@ def test_the_command_needs_a_gpu(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["1"])
     assert stop.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_saved_trace_reads_back_and_reports_again_without_a_gpu(tmp_path, capsys):
+    stamps = made_up()
+    path = save(str(tmp_path / "out"), 16, 106.5, stamps, "NVIDIA H200")
+    assert path == str(tmp_path / "out" / "trace-m16.npz")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["trace-m16.npz"]  # no part file left
+    tokens, us, back, device = load(path)
+    assert (tokens, us, device) == (16, 106.5, "NVIDIA H200")
+    assert back.dtype == np.int64 and np.array_equal(back, stamps)
+    assert main(["--load", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"NVIDIA H200; {path}"
+    assert out[1] == "M=16: 106.50 us a call (graph replay, traced kernels)"
+    assert out[2:] == ["  " + line for line in report(stamps)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--load", "{bad}"], "{bad}: not a saved trace"),
+    (["--load", "{wrong}"], "{wrong}: stamps must be int64 [regions, CTAs, points], found float64 [2, 3]"),
+    (["16", "--load", "{bad}"], "--load takes saved files only"),
+    ([], "give at least one token count M"),
+])
+def test_bad_loads_stop_with_a_one_line_usage_error(tmp_path, capsys, argv, message):
+    bad, wrong = tmp_path / "bad.npz", tmp_path / "wrong.npz"
+    bad.write_bytes(b"not a zip")
+    np.savez(wrong, stamps=np.zeros((2, 3)), us=1.0, tokens=1, device="x")
+    names = {"bad": str(bad), "wrong": str(wrong)}
+    with pytest.raises(SystemExit) as stop:
+        main([a.format(**names) for a in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message.format(**names) in err and "Traceback" not in err

@@ -1,6 +1,7 @@
 """Where a fused MoE layer's time goes, CTA by CTA: a per-CTA timer trace of the route kernel and the two GEMMs.
 
-    python -m exl3tool.bench.trace [--set MODULE.ATTR=VALUE ...] M [M ...]
+    python -m exl3tool.bench.trace [--set MODULE.ATTR=VALUE ...] [--save DIR] M [M ...]
+    python -m exl3tool.bench.trace --load FILE [FILE ...]      # a saved trace's report again, no GPU
 
 Kernels compiled inside ``tracing()`` (``kernels.ptx.TRACE_ADDR`` set to a device buffer) have thread 0 of every CTA
 store %globaltimer (ns, one clock for every SM) at the points ``ptx.trace_stamp`` marks: entry, the PDL wait
@@ -12,6 +13,9 @@ report takes the last of MOE_COPIES L2-cold calls of one graph replay of the syn
 did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
 phase's length a CTA, the CTAs an SM, the CTAs without a route block, and where the GEMMs' CTA slots went
 (``slot_budget``). One expert group's GEMMs (the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
+``--save DIR`` also writes each M's raw stamps (``trace-m{M}.npz``: ``stamps``, ``us``, ``tokens``, ``device``), so
+that a later question about the same call (a CTA's own timeline, a histogram) needs no device time: ``--load``
+prints their report again, and ``load()`` gives the arrays.
 
 What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs
 (``moe_configs.DOWN_MAX_CTAS_PER_SM``). Later (M=16-256): the gate/up grid's CTAs without a route block entered last,
@@ -177,12 +181,57 @@ def trace_layer(tokens: int, layers) -> tuple[float, np.ndarray]:
         return t.median_us, stamps.cpu().numpy()
 
 
+def save(folder: str, tokens: int, us: float, stamps: np.ndarray, device: str) -> str:
+    """Write one traced call's raw stamps to ``folder/trace-m{tokens}.npz`` (written whole, then renamed into
+    place); returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"trace-m{tokens}.npz")
+    part = path + ".part.npz"
+    np.savez_compressed(part, stamps=stamps, us=np.float64(us), tokens=np.int64(tokens), device=np.str_(device))
+    os.replace(part, path)
+    return path
+
+
+def load(path: str) -> tuple[int, float, np.ndarray, str]:
+    """(tokens, us a call, stamps, device) of a trace ``save`` wrote; ValueError naming the file if it is not one."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            stamps = f["stamps"]
+            tokens, us, device = int(f["tokens"]), float(f["us"]), str(f["device"])
+    except (OSError, KeyError, ValueError) as error:
+        raise ValueError(f"{path}: not a saved trace ({error})") from None
+    if stamps.ndim != 3 or stamps.dtype != np.int64:
+        raise ValueError(f"{path}: stamps must be int64 [regions, CTAs, points], found {stamps.dtype} "
+                         f"{list(stamps.shape)}")
+    return tokens, us, stamps, device
+
+
+def print_report(tokens: int, us: float, stamps: np.ndarray) -> None:
+    print(f"M={tokens}: {us:.2f} us a call (graph replay, traced kernels)")
+    print("\n".join("  " + line for line in report(stamps)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m exl3tool.bench.trace", description=__doc__.split("\n\n")[0])
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="set a module attribute (a Python literal) before anything compiles")
-    p.add_argument("tokens", nargs="+", type=int, metavar="M")
+    p.add_argument("--save", metavar="DIR", help="also write each M's raw stamps to DIR/trace-m{M}.npz")
+    p.add_argument("--load", nargs="+", metavar="FILE", help="print saved traces' reports again (no GPU)")
+    p.add_argument("tokens", nargs="*", type=int, metavar="M")
     args = p.parse_args(argv)
+    if args.load:
+        if args.tokens or args.set or args.save:
+            p.error("--load takes saved files only (no M, --set or --save)")
+        for path in args.load:
+            try:
+                tokens, us, stamps, device = load(path)
+            except ValueError as error:
+                p.error(str(error))
+            print(f"{device}; {path}")
+            print_report(tokens, us, stamps)
+        return 0
+    if not args.tokens:
+        p.error("give at least one token count M (or --load FILE)")
     import torch
 
     if not torch.cuda.is_available():
@@ -202,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{torch.cuda.get_device_name()}; E=128 top-8 2048x768 K=4 mcg, {len(layers)} L2-cold copies a replay")
         for m in args.tokens:
             us, stamps = trace_layer(m, layers)
-            print(f"M={m}: {us:.2f} us a call (graph replay, traced kernels)")
-            print("\n".join("  " + line for line in report(stamps)))
+            print_report(m, us, stamps)
+            if args.save:
+                print(f"  saved {save(args.save, m, us, stamps, torch.cuda.get_device_name())}")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return 0
