@@ -152,6 +152,10 @@ class MoEGemmConfig:
     # ready_wait: each down CTA counts itself out behind its first X copies (the main loop's prologue), not between
     # its wait's barriers, so that the atomic's round trip overlaps the copies' instead of holding every warp.
     count_out_behind_x: bool = False
+    # K splits in the grid's x with the columns (x = column tile * splits + split), not in its z: a route block's
+    # CTAs of every split are dispatched together, so that its last split, which its fused tail and the down GEMM
+    # behind it wait for, does not wait for every other block's earlier splits to be dispatched first.
+    splits_in_x: bool = False
     # > 0: launch bounds asking ptxas for this many CTAs an SM (registers at most 64K / (this x threads)); 0: none.
     min_ctas_per_sm: int = 0
     # P's dtype (PARTIALS_DTYPES): "float16" halves the bytes of P's stores and of the reads that sum them (the
@@ -305,7 +309,10 @@ class MoEGemm(DecodeGemmKernel):
             mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
         if cutlass.const_expr(mSumCounter is None):
             mSumCounter = mP  # never touched: no fused top-k sum
-        grid = (self.cfg.planes * mW.shape[3] // self.cfg.warps, mBlockExpert.shape[0], mP.shape[0])
+        columns = self.cfg.planes * mW.shape[3] // self.cfg.warps
+        grid = (columns, mBlockExpert.shape[0], mP.shape[0])
+        if cutlass.const_expr(self.cfg.splits_in_x):
+            grid = (columns * mP.shape[0], mBlockExpert.shape[0], 1)
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
                     mSumCounter).launch(
@@ -335,6 +342,9 @@ class MoEGemm(DecodeGemmKernel):
             ptx.launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
+        if cutlass.const_expr(cfg.splits_in_x):
+            split = bn % mP.shape[0]
+            bn = bn // mP.shape[0]
         warp = tid // 32
         lane = tid % 32
 

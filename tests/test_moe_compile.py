@@ -160,6 +160,24 @@ def test_down_counts_out_behind_its_first_x_copies(arch, monkeypatch):
         dataclasses.replace(down, ready_wait=False)
 
 
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_splits_in_x_take_the_split_from_the_column_index(arch, monkeypatch):
+    """MoEGemmConfig.splits_in_x (the M=1 GEMMs, 4 and 3 K splits): the column block is the grid x's quotient by the
+    split count, the split its remainder (one integer division more, behind the block index's first read), the MMAs
+    and copies those of splits in z."""
+    monkeypatch.setattr(moe_configs, "SPLITS_IN_X", True)
+    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
+                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
+    group = moe_configs.step_configs(layer, 1, False, arch, 132, "float16", "float16").groups[0]
+    for cfg in (group.gate_up, group.down):
+        assert cfg.splits_in_x
+        ptx, plain = ptx_of(cfg, arch), ptx_of(dataclasses.replace(cfg, splits_in_x=False), arch)
+        assert ptx.count(MMA) == plain.count(MMA) > 0
+        assert ptx.count("cp.async.cg.shared.global") == plain.count("cp.async.cg.shared.global")
+        divisions = lambda text: len(re.findall(r"\bdiv\.[su]32", text.split("ctaid.x")[1]))  # noqa: E731
+        assert divisions(ptx) == divisions(plain) + 1
+
+
 @pytest.mark.parametrize("planes,splits", [(2, 0), (2, 3), (1, 0)])
 def test_split_halves_gemms_read_doubled_inputs(planes, splits):
     """8-row blocks with split halves: two MMAs per tile, B words loaded doubled (no doubling in the loop); the
