@@ -90,11 +90,15 @@ def test_a_terminal_keeps_its_width(monkeypatch):
 
 
 @no_gpu
-def test_without_a_gpu_exit_2_with_one_line_saying_what_to_install():
+@pytest.mark.parametrize("cuda,advice", [(None, "is a CPU-only build; install a CUDA build of torch"),
+                                         ("13.0", "(CUDA 13.0) finds no CUDA GPU; check the NVIDIA driver")])
+def test_without_a_gpu_exit_2_with_one_line_saying_what_to_install(monkeypatch, cuda, advice):
+    """A CPU-only torch build and a CUDA build on a machine without a GPU each get their own advice."""
+    monkeypatch.setattr(torch.version, "cuda", cuda)
     result = run_cli("verify", model_dir("llama_mcg"), "--layer", "0")
     assert result.exit_code == 2
     assert result.stderr.startswith("exl3tool: no usable GPU: torch.cuda.is_available() is False: torch ")
-    assert "install a CUDA build of torch" in result.stderr and result.stderr.count("GPU") == 1
+    assert advice in result.stderr and result.stderr.count("GPU") == (1 if cuda is None else 2)
     assert len(result.stderr.strip().splitlines()) == 1
 
 
