@@ -165,7 +165,6 @@ def test_splits_in_x_take_the_split_from_the_column_index(arch, monkeypatch):
     """MoEGemmConfig.splits_in_x (the M=1 GEMMs, 4 and 3 K splits): the column block is the grid x's quotient by the
     split count, the split its remainder (one integer division more, behind the block index's first read), the MMAs
     and copies those of splits in z."""
-    monkeypatch.setattr(moe_configs, "SPLITS_IN_X", True)
     layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
                                    (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
     group = moe_configs.step_configs(layer, 1, False, arch, 132, "float16", "float16").groups[0]

@@ -458,15 +458,17 @@ def test_early_prologue_loads_at_one_token(monkeypatch):
 
 
 def test_splits_in_x_only_where_a_gemm_has_several_k_splits(monkeypatch):
-    """moe_configs.SPLITS_IN_X puts a GEMM's K splits in its grid's x (MoEGemmConfig.splits_in_x) where it has more
-    than one, and nowhere while off (the default kernels keep their configs)."""
+    """moe_configs.SPLITS_IN_X_TOKENS puts a GEMM's K splits in its grid's x (MoEGemmConfig.splits_in_x) at the listed
+    token counts where it has more than one (M=1 by default), nowhere else."""
     def flags(m):
         step = moe_configs.step_configs(moe(), m, False, "sm_90a", 132, "float16", "float16")
         g = step.groups[0]
         return (step.shape.splits13, g.gate_up.splits_in_x), (step.shape.splits2, g.down.splits_in_x)
 
-    assert flags(1) == ((4, False), (3, False)) and flags(16) == ((1, False), (1, False))
-    monkeypatch.setattr(moe_configs, "SPLITS_IN_X", True)
-    assert flags(1) == ((4, True), (3, True)) and flags(16) == ((1, False), (1, False))
+    assert flags(1) == ((4, True), (3, True)) and flags(2) == ((3, False), (2, False))
+    assert flags(16) == ((1, False), (1, False))
+    monkeypatch.setattr(moe_configs, "SPLITS_IN_X_TOKENS", ())
+    assert flags(1) == ((4, False), (3, False))
+    monkeypatch.setattr(moe_configs, "SPLITS_IN_X_TOKENS", (2, 16))
     monkeypatch.setattr(moe_configs, "CTAS_PER_SM", 16)
-    assert flags(16) == ((2, True), (2, True))
+    assert flags(2)[0][1] and flags(16) == ((2, True), (2, True))

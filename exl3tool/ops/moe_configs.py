@@ -26,10 +26,13 @@ from exl3tool.ops.targets import WGMMA_LAYOUT, check_whole_stages, decode_warps,
 # splits of gate/up, 1152 CTAs where 8 an SM fit (62 registers); 7 keeps every M's splits as they were before that
 # bound (M=1-4: 4/3, 3/2, 2/2, 3/2).
 CTAS_PER_SM = 7
-# A GEMM of several K splits puts them in its grid's x beside the columns (MoEGemmConfig.splits_in_x), so that a route
-# block's CTAs of every split are dispatched together; in z (False) each split's CTAs of every block go before the
-# next split's.
-SPLITS_IN_X = False
+# At these token counts a GEMM of several K splits puts them in its grid's x beside the columns
+# (MoEGemmConfig.splits_in_x), so that a route block's CTAs of every split are dispatched together; elsewhere in z,
+# where each split's CTAs of every block go before the next split's. The same CTAs' work: y bit-identical. H100, E=128
+# top-8 2048x768 K=4 mcg, layer graph, us, z -> x: M=1 21.93 -> 21.69 (two rounds) and 21.92 -> 21.71 (three, another
+# call); M=2 34.53 -> 34.47, M=3 44.19 -> 44.50, M=4 51.66 -> 53.10. Two K splits at M=16 and 32 (CTAS_PER_SM 16) lost
+# in x as in z (s66): 106.39 -> 119.05, 132.87 -> 135.79 (docs/perf.md, sixty-ninth session).
+SPLITS_IN_X_TOKENS = (1,)
 ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the input rotation splits the slots
 # From this many (token, 128 block) pairs per SM on, the input rotation holds 8 values a lane (16-byte x and X, a
 # warp per two blocks) and splits a token's slots over 4 CTAs (two a warp: the scales of 8 would need 168
@@ -661,11 +664,11 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
                           x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
                           next_after_loop=early, group_first=first, ready_signal=s.ready_counters,
                           partials=partials13, gating=g.gating if s.fused_intermediate else SILU_GATING,
-                          splits_in_x=SPLITS_IN_X and s.splits13 > 1)
+                          splits_in_x=tokens in SPLITS_IN_X_TOKENS and s.splits13 > 1)
         g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
                          **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
                          weights_before_wait=early, group_first=first, ready_wait=s.ready_counters,
-                         partials=partials2, splits_in_x=SPLITS_IN_X and s.splits2 > 1)
+                         partials=partials2, splits_in_x=tokens in SPLITS_IN_X_TOKENS and s.splits2 > 1)
         per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
         per2 = _per_split(i_p // 16, s.splits2, g2.k_tiles_per_stage)
         resident13 = resident_config(g13, x_dtype, per13, tokens) if resident else None

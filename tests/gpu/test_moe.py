@@ -797,16 +797,18 @@ def test_count_out_behind_x_changes_no_bit(synthetic, name, m, monkeypatch):
 
 @pytest.mark.parametrize("name,m,ctas", [("qwen3-30b-shape-k4-mcg", 1, 7), ("qwen3-30b-shape-k4-mcg", 2, 7),
                                          ("qwen3-30b-shape-k4-mcg", 4, 7), ("qwen3-30b-shape-k4-mcg", 16, 16),
-                                         ("two-groups-k3-k5", 3, 7), ("k3.5-mul1-shared-gated", 2, 7)])
+                                         ("hidden-intermediate-4096", 3, 7), ("k3.5-mul1-shared-gated", 2, 7)])
 def test_splits_in_x_change_no_bit(synthetic, name, m, ctas, monkeypatch):
-    """moe_configs.SPLITS_IN_X: a GEMM's K splits go in its grid's x beside the columns instead of in z (a block's
-    splits dispatched together): each CTA's work is the same, so y is bit-identical, eagerly (twice: the counters
-    are back at zero) and in graph replay, at split counts of the default (CTAS_PER_SM 7) and of 16 CTAs an SM."""
+    """moe_configs.SPLITS_IN_X_TOKENS: a GEMM's K splits go in its grid's x beside the columns instead of in z (a
+    block's splits dispatched together): each CTA's work is the same, so y is bit-identical, eagerly (twice: the
+    counters are back at zero) and in graph replay, at split counts of the default (CTAS_PER_SM 7) and of 16 CTAs an
+    SM."""
     dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
     x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     outs = []
     for on in (True, False):
-        y, made, _, configs = layer_with(monkeypatch, dmoe, x, {"SPLITS_IN_X": on, "CTAS_PER_SM": ctas})
+        y, made, _, configs = layer_with(monkeypatch, dmoe, x, {"SPLITS_IN_X_TOKENS": (m,) if on else (),
+                                                                "CTAS_PER_SM": ctas})
         split = [c for c in made if c.mma == "sync" and (c.planes == 2 and configs.shape.splits13 > 1
                                                            or c.planes == 1 and configs.shape.splits2 > 1)]
         assert split and all(c.splits_in_x == on for c in split), (name, m)
