@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from exl3tool.bench.trace import live_ctas, load, main, report, save, slot_budget, spread
+from exl3tool.bench.trace import live_ctas, load, main, report, save, slot_budget, spread, waves
 from exl3tool.kernels import ptx
 
 T0 = 5_000_000  # ns: the route's first entry
@@ -106,7 +106,7 @@ def test_a_saved_trace_reads_back_and_reports_again_without_a_gpu(tmp_path, caps
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"NVIDIA H200; {path}"
     assert out[1] == "M=16: 106.50 us a call (graph replay, traced kernels)"
-    assert out[2:] == ["  " + line for line in report(stamps)]
+    assert out[2:] == ["  " + line for line in report(stamps) + waves(stamps)]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -124,3 +124,21 @@ def test_bad_loads_stop_with_a_one_line_usage_error(tmp_path, capsys, argv, mess
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and message.format(**names) in err and "Traceback" not in err
+
+
+def test_waves_bin_each_gemms_loops_by_when_they_started():
+    """gate/up's four CTAs waited until 5.5 us and looped 4.5, 5.5, 6.5 and 7.5 us (ends 11.5-14.5); down's one
+    waited until 16 and looped 3 (end 22): one 5-us bin each, with the count, median and longest loop, latest end."""
+    assert waves(made_up()) == [
+        "gate/up loops by start (us): start, CTAs, median loop, longest loop, latest end",
+        "       5-10         4     6.00     7.50    14.50",
+        "down loops by start (us): start, CTAs, median loop, longest loop, latest end",
+        "      15-20         1     3.00     3.00    22.00",
+    ]
+    late = made_up()
+    for point in (ptx.TRACE_WAITED, ptx.TRACE_LOOP, ptx.TRACE_ARRIVED, ptx.TRACE_END):
+        late[ptx.TRACE_GATE_UP, 3, point] += 10_000  # the last CTA 10 us later from its wait on: a bin of its own
+    lines = waves(late)
+    assert lines[1] == "       5-10         3     5.50     6.50    13.50"
+    assert lines[2] == "      15-20         1     7.50     7.50    24.50"
+    assert waves(np.zeros_like(made_up())) == []  # nothing traced

@@ -11,8 +11,9 @@ that prologue is done), and its SM id with a "last to arrive" flag. Outside it t
 report takes the last of MOE_COPIES L2-cold calls of one graph replay of the synthetic Qwen3-30B-A3B-shaped layer
 (as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry: each point's spread over the CTAs that
 did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
-phase's length a CTA, the CTAs an SM, the CTAs without a route block, and where the GEMMs' CTA slots went
-(``slot_budget``). One expert group's GEMMs (the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
+phase's length a CTA, the CTAs an SM, the CTAs without a route block, where the GEMMs' CTA slots went
+(``slot_budget``) and each GEMM's main loops by when they started (``waves``). One expert group's GEMMs (the regions
+are by kernel). The timer ticks in 32 ns on an H100 / H200.
 ``--save DIR`` also writes each M's raw stamps (``trace-m{M}.npz``: ``stamps``, ``us``, ``tokens``, ``device``), so
 that a later question about the same call (a CTA's own timeline, a histogram) needs no device time: ``--load``
 prints their report again, and ``load()`` gives the arrays.
@@ -161,6 +162,33 @@ def slot_budget(stamps: np.ndarray, t0: int) -> list[str]:
             + "; ".join(parts) + f"; idle {(span * slots - busy) / slots:.1f}"]
 
 
+def waves(stamps: np.ndarray, bin_us: float = 5.0) -> list[str]:
+    """Each GEMM's CTAs that did work, by when their wait ended (bins of ``bin_us`` from the route's first entry):
+    how many, their main loops' median and longest, and their latest end: whether CTAs that start later (a second
+    wave) stream slower than the first."""
+    from exl3tool.kernels import ptx
+
+    route = live_ctas(stamps, ptx.TRACE_ROUTE)
+    if len(route) == 0:
+        return []
+    t0 = route[:, ptx.TRACE_ENTRY].min()
+    out = []
+    for name, region in (("gate/up", ptx.TRACE_GATE_UP), ("down", ptx.TRACE_DOWN)):
+        rows = live_ctas(stamps, region)
+        rows = rows[(rows[:, ptx.TRACE_WAITED] >= t0) & (rows[:, ptx.TRACE_LOOP] >= rows[:, ptx.TRACE_WAITED])]
+        if len(rows) == 0:
+            continue
+        waited = (rows[:, ptx.TRACE_WAITED] - t0) / 1000.0
+        loop = (rows[:, ptx.TRACE_LOOP] - rows[:, ptx.TRACE_WAITED]) / 1000.0
+        end = (rows[:, ptx.TRACE_END] - t0) / 1000.0
+        out.append(f"{name} loops by start (us): start, CTAs, median loop, longest loop, latest end")
+        for b in np.unique(np.floor(waited / bin_us)):
+            mine = np.floor(waited / bin_us) == b
+            out.append(f"  {b * bin_us:6.0f}-{(b + 1) * bin_us:<6.0f}{mine.sum():6d} {np.median(loop[mine]):8.2f} "
+                       f"{loop[mine].max():8.2f} {end[mine].max():8.2f}")
+    return out
+
+
 def trace_layer(tokens: int, layers) -> tuple[float, np.ndarray]:
     """(us a call, the stamps of the last call) of one graph replay over ``layers`` (DeviceMoE copies) at ``tokens``
     tokens (``exl3tool.bench.ab``'s moe:M case), planned and compiled traced."""
@@ -208,7 +236,7 @@ def load(path: str) -> tuple[int, float, np.ndarray, str]:
 
 def print_report(tokens: int, us: float, stamps: np.ndarray) -> None:
     print(f"M={tokens}: {us:.2f} us a call (graph replay, traced kernels)")
-    print("\n".join("  " + line for line in report(stamps)))
+    print("\n".join("  " + line for line in report(stamps) + waves(stamps)))
 
 
 def main(argv: list[str] | None = None) -> int:
