@@ -161,7 +161,7 @@ def test_down_counts_out_behind_its_first_x_copies(arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_splits_in_x_take_the_split_from_the_column_index(arch, monkeypatch):
+def test_splits_in_x_take_the_split_from_the_column_index(arch):
     """MoEGemmConfig.splits_in_x (the M=1 GEMMs, 4 and 3 K splits): the column block is the grid x's quotient by the
     split count, the split its remainder (one integer division more, behind the block index's first read), the MMAs
     and copies those of splits in z."""
