@@ -181,9 +181,10 @@ def waves(stamps: np.ndarray, bin_us: float = 5.0) -> list[str]:
         waited = (rows[:, ptx.TRACE_WAITED] - t0) / 1000.0
         loop = (rows[:, ptx.TRACE_LOOP] - rows[:, ptx.TRACE_WAITED]) / 1000.0
         end = (rows[:, ptx.TRACE_END] - t0) / 1000.0
+        bins = np.floor(waited / bin_us)
         out.append(f"{name} loops by start (us): start, CTAs, median loop, longest loop, latest end")
-        for b in np.unique(np.floor(waited / bin_us)):
-            mine = np.floor(waited / bin_us) == b
+        for b in np.unique(bins):
+            mine = bins == b
             out.append(f"  {b * bin_us:6.0f}-{(b + 1) * bin_us:<6.0f}{mine.sum():6d} {np.median(loop[mine]):8.2f} "
                        f"{loop[mine].max():8.2f} {end[mine].max():8.2f}")
     return out
