@@ -193,10 +193,6 @@ GROUP_LOOPS = {16: (1, 2), 32: (2, 4), 64: (2, 4, 6, 8)}  # 64: see SYNC_BELOW_M
 # 121.6 -> 124.2 (2.0), M=64 176.2 -> 180.8 (3.96); M=1 (0.73) 33.1 -> 32.45 earlier (docs/perf.md, nineteenth).
 FUSED_INTERMEDIATE_ROWS = 8
 FUSED_INTERMEDIATE_CTAS_PER_SM = 10
-# Warpgroup-MMA route blocks up to this many rows (0: none) also do the intermediate in the gate/up GEMM's last CTA
-# of each block (the same tail as mma.sync blocks; the down GEMM still waits for the whole gate/up grid). At 320
-# rows (40 a warp in the tail) it lost: M=4096 1024.51 -> 1222.00 (docs/perf.md, sixty-second session).
-WGMMA_FUSED_INTERMEDIATE_MAX_ROWS = 0
 # Route blocks of these sizes whose gate/up GEMM does the intermediate take two of a warp's rows at a time there
 # (MoEGemmConfig.tail_row_pairs: 8 values a lane, a row a half-warp; the same bits): half the chains of dependent
 # loads, butterflies and stores in the last CTA's tail, which the per-CTA trace put at up to 11.9 us beside 15-37 us
@@ -568,8 +564,7 @@ def step_shape(dmoe: LayerShape, tokens: int, sm_count: int, arch: str | None = 
     # cannot take (GPUs without warpgroup MMAs, SM120 included, from a mean of 128 routes an expert)
     fusable = fuses_intermediate(block_rows, warps, layout.get("warp_cols", 1))
     ready = tokens >= READY_COUNTERS_MIN_TOKENS and not wgmma and fusable
-    fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short) or (
-        wgmma and fusable and block_rows <= WGMMA_FUSED_INTERMEDIATE_MAX_ROWS)
+    fused = ready or (block_rows <= FUSED_INTERMEDIATE_ROWS and short)
     return StepShape(tokens, block_rows, blocks, splits13, splits2, fused, ready, wgmma)
 
 
@@ -670,7 +665,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         split13, split2 = group_splits(arch, g, s.block_rows, wgmma)
         order13, order2 = group_x_orders(arch, g, s)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
-        early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters and not wgmma
+        early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
         first = gemm_first(g)
         warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
         warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)

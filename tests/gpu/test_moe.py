@@ -816,18 +816,15 @@ def test_splits_in_x_change_no_bit(synthetic, name, m, ctas, monkeypatch):
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("name,m,rows,rolled,fused", [("qwen3-30b-shape-k4-mcg", 256, 32, True, False),
-                                                      ("qwen3-30b-shape-k4-mcg", 192, 32, True, True),
-                                                      ("qwen3-30b-shape-k4-mcg", 128, 16, False, False),
-                                                      ("k2-3inst-unnormalised", 40, 32, True, False),
-                                                      ("two-groups-k3-k5", 40, 32, False, True)])
-def test_warpgroup_split_halves_match_the_reference(synthetic, name, m, rows, rolled, fused, monkeypatch):
+@pytest.mark.parametrize("name,m,rows,rolled", [("qwen3-30b-shape-k4-mcg", 256, 32, True),
+                                                ("qwen3-30b-shape-k4-mcg", 128, 16, False),
+                                                ("k2-3inst-unnormalised", 40, 32, True), ("two-groups-k3-k5", 40, 32, False)])
+def test_warpgroup_split_halves_match_the_reference(synthetic, name, m, rows, rolled, monkeypatch):
     """moe_configs.WGMMA_SPLIT_HALVES_MAX_ROWS: warpgroup-MMA route blocks feed each weight's two fp16 halves to two
-    MMAs a k-tile, X and X2 in halves order (the input rotation and the Intermediate launch, or with
-    WGMMA_FUSED_INTERMEDIATE_MAX_ROWS the gate/up GEMM's fused tail, write it), in stages of 4 k-tiles (two k-tiles a
-    128-byte swizzle atom) or of 8, rolled. y within MAX_REL of the reference and at least as close as the same
-    blocks summing the halves in the decode (unrounded weights), the same on a second call and in graph replay
-    (layer_with)."""
+    MMAs a k-tile, X and X2 in halves order (the input rotation and the Intermediate launch write it), in stages of
+    4 k-tiles (two k-tiles a 128-byte swizzle atom) or of 8, rolled. y within MAX_REL of the reference and at least
+    as close as the same blocks summing the halves in the decode (unrounded weights), the same on a second call and
+    in graph replay (layer_with)."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
@@ -837,10 +834,8 @@ def test_warpgroup_split_halves_match_the_reference(synthetic, name, m, rows, ro
     for split in (True, False):
         y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {"MOE_WGMMA_MIN_ROWS": rows,
                                                                    "WGMMA_SPLIT_HALVES_MAX_ROWS": rows if split else 0,
-                                                                   "WGMMA_BLOCK_LAYOUT": layout,
-                                                                   "WGMMA_FUSED_INTERMEDIATE_MAX_ROWS": rows * fused})
-        assert all(c.rolled == rolled for c in made) and configs.shape.fused_intermediate == fused
-        assert all((g.intermediate is None) == fused for g in configs.groups)
+                                                                   "WGMMA_BLOCK_LAYOUT": layout})
+        assert all(c.rolled == rolled for c in made)
         assert configs.shape.block_rows == rows and made and all(c.mma == "wgmma" for c in made)
         assert all(c.split_halves == split and c.x_order == ("halves" if split else "rows") for c in made)
         assert all(g.order13 == g.order2 == ("halves" if split else "rows") for g in configs.groups)
