@@ -344,7 +344,7 @@ def gemm_report(config, arch: str = "sm_120a") -> KernelSass:
     build = {**launch.BUILDERS, **moe_kernels.BUILDERS}[type(config)]
     cubin = compile_cubin(lambda options: build(config, options), arch)
     # weights decoded per tensor instruction: a warp's 16x16 tile per HMMA per token group, per HGMMA (warpgroup)
-    wgmma = getattr(config, "mma", "sync") == "wgmma"
-    mmas = (1 if wgmma else config.token_groups) * mmas_per_tile(getattr(config, "split_halves", False))
+    mmas = 1 if getattr(config, "mma", "sync") == "wgmma" else (
+        config.token_groups * mmas_per_tile(getattr(config, "split_halves", False)))
     (kernel,) = analyze_cubin(cubin, weights_per_mma=8 / mmas, dynamic_smem_bytes=config.smem_bytes)
     return kernel

@@ -48,7 +48,7 @@ from .mainloop import (  # noqa: F401 (CHUNK_UNROLL: the SASS tests read it here
     allocate_smem,
     decode_mma_loop,
 )
-from .trellis import DOUBLED_ORDERS, WGMMA_X_ORDERS, X_ORDERS, TrellisPlan
+from .trellis import X_ORDERS, TrellisPlan
 
 SMEM_LIMIT_BYTES = 99 * 1024  # SM120's per-CTA limit; we hold every GPU to it
 WGMMA_SMEM_LIMIT_BYTES = 227 * 1024  # the warpgroup-MMA GEMM runs on sm_90a only: its per-CTA limit
@@ -85,8 +85,7 @@ class GemmConfig:
     # X's column order (trellis.X_ORDERS): "rows" (x as is), "fragments" (trellis.x_fragment_slot: each lane's B
     # words of a k-tile pair side by side, one 16-byte shared load instead of four 32-bit ones), with split
     # halves "doubled" (trellis.x_doubled_word: the B words already duplicated, one 16-byte load per k-tile), or with
-    # wgmma "stages" (trellis.x_stages_index: a route block's stage is one bulk copy per 64 columns, mainloop) or,
-    # with split halves, "halves" (trellis.x_halves_word: each k-tile's B of the two MMAs, K-major, 64 bytes a row).
+    # wgmma "stages" (trellis.x_stages_index: a route block's stage is one bulk copy per 64 columns, mainloop).
     x_order: str = "rows"
     # Tile columns each warp multiplies: 1 = its own decoded tile, by all the CTA's tokens (private decode); 2, 4
     # or 8 = decoded tiles shared through shared memory, each warp taking warp_cols columns and token_groups /
@@ -149,11 +148,8 @@ class GemmConfig:
             raise ValueError(f"x_order must be one of {', '.join(X_ORDERS)}")
         if self.x_order == "fragments" and (self.split_halves or self.k_tiles_per_stage < 2):
             raise ValueError("x_order='fragments' reads k-tile pairs (k_tiles_per_stage >= 2), without split_halves")
-        if self.x_order in DOUBLED_ORDERS and not self.split_halves:
-            raise ValueError(f"x_order={self.x_order!r} holds the B words of split_halves")
-        if (self.x_order == "halves") != (self.split_halves and self.mma == "wgmma"):
-            raise ValueError("x_order='halves' is the B layout of split_halves with wgmma, and split_halves with "
-                             "wgmma reads X in it")
+        if self.x_order == "doubled" and not self.split_halves:
+            raise ValueError("x_order='doubled' holds the B words of split_halves")
         if self.x_order == "stages" and self.mma != "wgmma":
             raise ValueError("x_order='stages' is the warpgroup-MMA GEMM's shared-memory stage layout")
         if self.input is not None and (self.input not in ("float16", "bfloat16")
@@ -183,10 +179,10 @@ class GemmConfig:
     def _check_wgmma(self):
         if self.token_groups not in (1, 2, 4, 8, 16, 32, 40):
             raise ValueError("wgmma: token_groups must be 1, 2, 4, 8, 16, 32 or 40 (8 to 320 tokens)")
-        if (self.warps not in (4, 8) or self.warp_cols != 1 or self.x_order not in WGMMA_X_ORDERS
-                or self.input is not None):
-            raise ValueError("wgmma: one or two warpgroups (4 or 8 warps) of private decode, X in rows, stages or "
-                             "halves order, no input")
+        if (self.warps not in (4, 8) or self.warp_cols != 1 or self.split_halves
+                or self.x_order not in ("rows", "stages") or self.input is not None):
+            raise ValueError("wgmma: one or two warpgroups (4 or 8 warps) of private decode, X in row or stages "
+                             "order, no split_halves or input")
         if self.k_tiles_per_stage not in (4, 8) or self.stages < 3:
             raise ValueError("wgmma: 4 or 8 k-tiles per stage (whole 128-byte swizzle atoms) and at least 3 "
                              "stages (one stage is read by the MMAs in flight)")
@@ -205,8 +201,8 @@ class GemmConfig:
 
     @property
     def x_k_tile_words(self) -> int:
-        """32-bit words of one token's X per k-tile: 8 (16 fp16 values), 16 in the doubled orders."""
-        return 16 if self.x_order in DOUBLED_ORDERS else 8
+        """32-bit words of one token's X per k-tile: 8 (16 fp16 values), 16 in doubled order."""
+        return 16 if self.x_order == "doubled" else 8
 
     @property
     def x_row_words(self) -> int:

@@ -66,10 +66,6 @@ CHUNK_UNROLL = 2
 # (docs/perf.md, forty-seventh session). An A/B switch.
 GROUP_LOOP_X_ROWS = True
 WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
-# Timing probe only (y wrong by design; never on outside an A/B): the mma.sync loops of private decode skip their CTA
-# barrier a stage, to bound what the barrier costs (ncu, H100, M=16 gate/up: 1.72 of 10.09 cycles a warp waits per
-# issue at the barrier) before building a barrier-free pipeline.
-NO_STAGE_BARRIER_PROBE = False
 
 
 def chunk_unroll(cfg) -> int:
@@ -365,8 +361,7 @@ def chunk_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor
             cute.arch.mbarrier_wait(sDec + chunk % cfg.stages, (chunk // cfg.stages) % 2)  # the stage's X landed
         if cutlass.const_expr(wgmma and x_needs_proxy_fence(cfg)):
             ptx.fence_proxy_async_shared()  # this thread's cp.async data, visible to the tensor cores' reads
-        if cutlass.const_expr(not (NO_STAGE_BARRIER_PROBE and not wgmma and not bulk and cfg.warp_cols == 1)):
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
         ahead = chunk + ahead_stages
         if ahead < n_chunks:
             issue_stage(copies, ahead, ahead % cfg.stages)
@@ -441,30 +436,25 @@ def mbarrier_wgmma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cu
 def warpgroup_decode_mma(cfg, plan, acc, sW, sX_stage_addr, w_stage, word_idx, shift, consts, mma_groups=None):
     """One stage with warpgroup MMAs: every k-tile of this warp's tile column decoded into A registers first (the
     previous stage's MMAs still run meanwhile), then one fence and one asynchronous ``m64 x tokens x k16`` MMA per
-    k-tile (split halves: two, one per ``split_halves_fragments`` MMA, B from X in halves order), committed as one
-    group. The caller waits for the group before the stage's buffer is refilled and before reading ``acc``. Traced
-    inline."""
-    frags = []  # the A fragments of the stage's MMAs: virtual k-tile v of 16 B k-slots (split halves: 2 a k-tile)
+    k-tile, committed as one group. The caller waits for the group before the stage's buffer is refilled and
+    before reading ``acc``. Traced inline."""
+    frags = []
     for kk in range(cfg.k_tiles_per_stage):
         words = lane_words(cfg, sW, w_stage, kk, word_idx)
-        if cutlass.const_expr(cfg.split_halves):
-            halves = decode_lane_halves(plan, cfg.codebook, words, shift, ptx, consts)
-            frags += [a for a, _ in split_halves_fragments(halves, (None,) * 4, ptx)]
-        else:
-            frags.append(mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts)))
+        frags.append(mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts)))
     ptx.wgmma_fence()
     high = Int64(ptx.wgmma_descriptor_high())
     desc0 = high | Int64((sX_stage_addr & 0x3FFFF) >> 4)
-    for v in range(len(frags)):
+    for kk in range(cfg.k_tiles_per_stage):
         for g0, groups in wgmma_token_chunks(cfg.token_groups if mma_groups is None else mma_groups):
-            # virtual k-tile v: atom v // 4 (64 k-slots of every token row), 32 bytes further per v inside it;
-            # the chunk's first token row 8*g0 is 128 bytes a row further. The 14-bit start address field cannot
+            # k-tile kk: atom kk // 4 (64 k of every token row), 32 bytes further per k-tile inside it; the
+            # chunk's first token row 8*g0 is 128 bytes a row further. The 14-bit start address field cannot
             # carry: the stage lies inside the 228 KB of shared memory.
-            desc = desc0 + (((v // 4) * (cfg.tokens_per_cta * 128) + 8 * g0 * 128 + (v % 4) * 32) >> 4)
+            desc = desc0 + (((kk // 4) * (cfg.tokens_per_cta * 128) + 8 * g0 * 128 + (kk % 4) * 32) >> 4)
             regs = range(4 * g0, 4 * (g0 + groups))
-            d = ptx.wgmma_m64k16(frags[v], desc, [acc[i] for i in regs], "float16")
-            for i, val in zip(regs, d):
-                acc[i] = val
+            d = ptx.wgmma_m64k16(frags[kk], desc, [acc[i] for i in regs], "float16")
+            for i, v in zip(regs, d):
+                acc[i] = v
     ptx.wgmma_commit()
 
 

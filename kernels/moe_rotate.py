@@ -45,7 +45,6 @@ from .rotate import (
     store4,
     store_x_values,
 )
-from .trellis import WGMMA_X_ORDERS
 
 
 @cute.jit
@@ -183,8 +182,8 @@ class RouteInputRotationConfig:
         check_launch_fields(self)
         if self.hadamard not in ("shuffle", "mma"):
             raise ValueError("hadamard must be shuffle or mma")
-        if self.hadamard == "mma" and (self.x_dtype != "float16" or self.x_order not in WGMMA_X_ORDERS):
-            raise ValueError("tensor-core input rotations take fp16 x and X in rows, stages or halves order")
+        if self.hadamard == "mma" and (self.x_dtype != "float16" or self.x_order not in ("rows", "stages")):
+            raise ValueError("tensor-core input rotations take fp16 x and X in rows or stages order")
         if not -14 <= self.suh_shift <= 15:
             raise ValueError("suh_shift must keep 2^suh_shift a normal fp16 (-14 .. 15)")
 

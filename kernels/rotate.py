@@ -19,7 +19,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 
 from . import ptx
-from .trellis import DOUBLED_ORDERS, X_ORDERS, x_double_word, x_pair_word, x_row_halves, x_stages_index
+from .trellis import X_ORDERS, x_doubled_word, x_pair_word, x_row_halves, x_stages_index
 
 ROWS_PER_CTA = 4  # one warp per row
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
@@ -136,8 +136,8 @@ def store_x_values(x_addr, row, rows, width, col0, values, x_order: str):
     """A lane's 4 or 8 consecutive columns ``col0 ..`` (a multiple of their count) of row ``row`` of a GEMM input X
     of ``rows`` x ``width`` (in_p) at ``x_addr``, fp16, in the GEMM's column order: rows (one 8- or 16-byte store),
     stages (``trellis.x_stages_index``: the same store, in the row's swizzled piece of its chunk), fragments
-    (``trellis.x_fragment_slot``: one 4-byte store per column pair) or doubled and halves
-    (``trellis.x_double_word``: one 4-byte store of (v, v) per column; rows of ``trellis.x_row_halves``)."""
+    (``trellis.x_fragment_slot``: one 4-byte store per column pair) or doubled (``trellis.x_doubled_word``: one
+    4-byte store of (v, v) per column; rows of ``trellis.x_row_halves``)."""
     if x_order == "stages":
         store_at(x_addr + Int64(x_stages_index(row, col0, rows)) * 2, values, "float16")
         return
@@ -145,9 +145,9 @@ def store_x_values(x_addr, row, rows, width, col0, values, x_order: str):
     if x_order == "rows":
         store_at(row_addr + Int64(col0) * 2, values, "float16")
         return
-    if x_order in DOUBLED_ORDERS:
+    if x_order == "doubled":
         for i in range(len(values)):
-            ptx.st_global_u32(row_addr + Int64(x_double_word(col0 + i, x_order)) * 4,
+            ptx.st_global_u32(row_addr + Int64(x_doubled_word(col0 + i)) * 4,
                               ptx.pack_f32x2(values[i], values[i], "float16"))
         return
     for h in range(0, len(values), 2):
@@ -286,9 +286,9 @@ def rotate_scaled_into_shared(scaled, sX: cute.Tensor, n_blocks: Int32, x_order:
         b = warp + r * warps
         if b < n_blocks:
             e0 = b * 128 + 4 * lane
-            if cutlass.const_expr(x_order in DOUBLED_ORDERS):
+            if cutlass.const_expr(x_order == "doubled"):
                 for i in cutlass.range_constexpr(4):
-                    sX[s_word0 + x_double_word(e0 + i, x_order)] = ptx.pack_f32x2(v[i], v[i], "float16")
+                    sX[s_word0 + x_doubled_word(e0 + i)] = ptx.pack_f32x2(v[i], v[i], "float16")
             else:
                 for h in cutlass.range_constexpr(2):
                     sX[s_word0 + x_pair_word(e0 + 2 * h, x_order)] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1],
@@ -413,8 +413,8 @@ class InputRotationConfig:
 
 class InputRotation:
     """``X_rot (M, in_p) fp16 = H128(x (M, in_true) * suh)``; columns past ``in_true`` read as zero. In fragment
-    order each element goes to its ``trellis.x_fragment_slot``; in the doubled orders X_rot is ``(M, 2*in_p)`` and
-    each element goes twice, to both halves of its ``trellis.x_double_word``."""
+    order each element goes to its ``trellis.x_fragment_slot``; in doubled order X_rot is ``(M, 2*in_p)`` and each
+    element goes twice, to both halves of its ``trellis.x_doubled_word``."""
 
     def __init__(self, config: InputRotationConfig):
         self.cfg = config

@@ -351,13 +351,9 @@ def split_halves_fragments(halves, d, ops):
 
 # Column orders of the GEMM's rotated input X (GemmConfig.x_order): "rows" (x as is), "fragments" (each lane's B
 # words of a k-tile pair side by side), "doubled" (every element as an fp16 pair (x, x), each lane's four words
-# of a k-tile side by side: split halves' B operands, one 16-byte load per k-tile), "stages" (the warpgroup-MMA
-# GEMM's shared-memory stage layout, ``x_stages_index``: a stage of a route block is one contiguous bulk copy) and
-# "halves" (every element as an fp16 pair (x, x), a k-tile's even elements first, then its odd ones: the B
-# operands of split halves' two warpgroup MMAs in K order, ``x_halves_word``).
-X_ORDERS = ("rows", "fragments", "doubled", "stages", "halves")
-DOUBLED_ORDERS = ("doubled", "halves")  # one 32-bit word (x, x) per element: rows twice as wide
-WGMMA_X_ORDERS = ("rows", "stages", "halves")  # the orders a warpgroup MMA reads B in (swizzled by the copies)
+# of a k-tile side by side: split halves' B operands, one 16-byte load per k-tile) and "stages" (the warpgroup-MMA
+# GEMM's shared-memory stage layout, ``x_stages_index``: a stage of a route block is one contiguous bulk copy).
+X_ORDERS = ("rows", "fragments", "doubled", "stages")
 STAGE_K = 64  # k values of one 128-byte swizzled row of a wgmma X stage ("stages" order)
 
 
@@ -394,31 +390,17 @@ def x_doubled_word(e):
     return ((e >> 4) << 4) + 4 * ((r & 7) >> 1) + 2 * (r & 1) + (r >> 3)
 
 
-def x_halves_word(e):
-    """32-bit word of a row's element ``e`` in halves order: k-tile t's words ``16t ..`` hold (x[0], x[0]), (x[2],
-    x[2]) .. (x[14], x[14]), then (x[1], x[1]) .. (x[15], x[15]) of the tile: split halves' MMA m (weight k = 2q + m
-    in k-slots 2q, 2q+1, ``split_halves_fragments``) reads B k-slot s as x[(s & ~1) + m], the 16 fp16 of word
-    ``16t + 8m`` on, as one warpgroup MMA's K-major B. ``e`` as in ``x_fragment_slot``."""
-    r = e & 15
-    return ((e >> 4) << 4) + ((r & 1) << 3) + (r >> 1)
-
-
-def x_double_word(e, x_order: str):
-    """The word holding element ``e`` (twice) in a doubled order (``DOUBLED_ORDERS``)."""
-    return x_doubled_word(e) if x_order == "doubled" else x_halves_word(e)
-
-
 def x_row_halves(in_p: int, x_order: str) -> int:
-    """fp16 values in a row of X: ``in_p``, twice that in the doubled orders."""
-    return 2 * in_p if x_order in DOUBLED_ORDERS else in_p
+    """fp16 values in a row of X: ``in_p``, twice that in doubled order."""
+    return 2 * in_p if x_order == "doubled" else in_p
 
 
 def x_pair_word(e, x_order: str):
     """The 32-bit word of an X row holding its even column ``e`` and column ``e + 1`` (a pair stays one word in
     rows and fragment order), in ``x_order``: what every writer of a GEMM input uses. ``e`` as in
     ``x_fragment_slot``."""
-    if x_order in DOUBLED_ORDERS:
-        raise ValueError(f"{x_order} order has one word per element (x_double_word)")
+    if x_order == "doubled":
+        raise ValueError("doubled order has one word per element (x_doubled_word)")
     return e // 2 if x_order == "rows" else x_fragment_slot(e) // 2
 
 

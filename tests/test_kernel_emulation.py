@@ -23,7 +23,6 @@ from exl3tool.kernels.trellis import (
     tile_position,
     x_doubled_word,
     x_fragment_slot,
-    x_halves_word,
     x_stages_index,
 )
 from exl3tool.reference import decode_trellis
@@ -196,28 +195,6 @@ def test_doubled_order_is_a_permutation_within_each_k_tile():
     cols = np.arange(256)
     words = x_doubled_word(cols)
     assert np.array_equal(np.sort(words), cols) and np.array_equal(words // 16, cols // 16)
-
-
-def test_halves_order_holds_each_split_mmas_b_in_k_order():
-    """X in halves order (trellis.x_halves_word, split halves on warpgroup MMAs): every word of a doubled row is
-    written once, by an element of its own k-tile; the 16 fp16 from word 16t + 8m on are MMA m's B in K order
-    (k-slot s holds x[16t + (s & ~1) + m]), and lane (g, q)'s fragment words of it (k-slots 2q, 2q+1 and 2q+8, 2q+9)
-    are the doubled words ``split_halves_fragments`` pairs with MMA m."""
-    cols = np.arange(256)
-    words = x_halves_word(cols)
-    assert np.array_equal(np.sort(words), cols) and np.array_equal(words // 16, cols // 16)
-    x = np.random.default_rng(9).standard_normal((8, cols.size)).astype(np.float16)
-    arranged = np.zeros((8, 2 * cols.size), dtype=np.float16)
-    arranged[:, 2 * words], arranged[:, 2 * words + 1] = x, x
-    slots = np.arange(16)
-    g, q = LANES // 4, LANES % 4
-    rows, halves = x.view(np.uint32), arranged.view(np.uint32)
-    for t in range(cols.size // 16):
-        d = doubled_b((rows[g, 8 * t + q], rows[g, 8 * t + q + 4]), emulate)
-        for m in range(2):
-            assert np.array_equal(arranged[:, 32 * t + 16 * m:][:, :16], x[:, 16 * t + (slots & ~1) + m]), (t, m)
-            assert np.array_equal(halves[g, 16 * t + 8 * m + q], d[2 * m]), (t, m)
-            assert np.array_equal(halves[g, 16 * t + 8 * m + q + 4], d[2 * m + 1]), (t, m)
 
 
 def test_fragment_order_puts_each_lanes_b_words_side_by_side():

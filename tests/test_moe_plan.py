@@ -152,33 +152,6 @@ def test_one_token_group_blocks_split_halves_and_read_doubled_inputs():
         "doubled", "rows", "fragments", "rows"]
 
 
-def test_warpgroup_blocks_split_halves_up_to_their_rows_and_read_halves_inputs(monkeypatch):
-    """moe_configs.WGMMA_SPLIT_HALVES_MAX_ROWS: warpgroup-MMA route blocks up to that many rows split each weight's
-    halves (not mul1), so the input rotation (on the tensor cores) and the Intermediate launch write X and X2 in
-    halves order; larger blocks, and every block with the knob at 0 (the default), keep theirs."""
-    from exl3tool.bench.request import MoESpec
-    from exl3tool.bench.sassreport import moe_layer
-    from exl3tool.ops import moe_configs
-    from exl3tool.ops.moe_configs import group_splits, step_configs, x_order
-
-    mcg = SimpleNamespace(w13_codebook="mcg", w13_bits=4.0, w2_codebook="mul1", w2_bits=4.0)
-    assert moe_configs.WGMMA_SPLIT_HALVES_MAX_ROWS == 0 and group_splits("sm_90a", mcg, 32, True) == (False, False)
-    monkeypatch.setattr(moe_configs, "WGMMA_SPLIT_HALVES_MAX_ROWS", 32)
-    assert group_splits("sm_90a", mcg, 32, True) == (True, False) and group_splits("sm_90a", mcg, 64, True) == (
-        False, False)
-    assert x_order(32, True, True) == "halves" and x_order(32, True) == "doubled"
-    monkeypatch.setattr(moe_configs, "MOE_WGMMA_MIN_ROWS", 32)
-    layer = moe_layer(MoESpec(128, 8, 2048, 768), 4.0, "mcg")
-    for m, rows, split in ((256, 32, True), (1024, 64, False)):
-        c = step_configs(layer, m, False, "sm_90a", 132, "float16", "float16")
-        (g,) = c.groups
-        assert c.shape.block_rows == rows and c.shape.wgmma
-        order = "halves" if split else "rows"
-        assert g.gate_up.split_halves == g.down.split_halves == split
-        assert g.gate_up.x_order == g.down.x_order == g.order13 == g.order2 == order
-        assert g.rotation.hadamard == "mma" and g.rotation.x_order == g.intermediate.x_order == order
-
-
 def test_sixteen_row_blocks_write_gate_up_x_alone_in_fragment_order(monkeypatch):
     """moe_configs.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks take gate/up's X (the input rotation's output) in
     fragment order and keep down's X2 in rows; off, both in rows. 32-row blocks take both in fragments either way."""

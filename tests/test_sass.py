@@ -157,25 +157,20 @@ def stage_a_registers(loop) -> list[set[int]]:
     return groups
 
 
-@pytest.mark.parametrize("kind", ["dense 64", "dense 128", "dense 256", "moe 64", "moe 320", "moe 32 halves",
-                                  "moe 32 halves rolled"])
-def test_warpgroup_mma_stages_never_write_a_fragments_that_running_mmas_read(kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["dense 64", "dense 128", "dense 256", "moe 64", "moe 320"])
+def test_warpgroup_mma_stages_never_write_a_fragments_that_running_mmas_read(kind):
     """A warpgroup MMA reads its A fragments from registers while it runs, and ptxas does not see that hazard (a
     loop of one stage that waited only for the stage before the last reused them: y changed). Unrolled by two, a
     stage waits only for the MMAs of the stage before the last, so every consecutive pair of stages in the loop, the
     last and the first included, reads disjoint registers; rolled (``GemmConfig.rolled``: M <= 64, 64-row MoE blocks),
-    each stage first waits for every MMA of the warpgroup. Split halves' two fragments a k-tile alike."""
-    from exl3tool.ops import moe_configs, targets
+    each stage first waits for every MMA of the warpgroup."""
+    from exl3tool.ops import moe_configs
 
-    what, rows, *split = kind.split()
-    if split:
-        monkeypatch.setattr(moe_configs, "WGMMA_BLOCK_LAYOUT",
-                            {int(rows): targets.DENSE_WGMMA_SMALL_LAYOUT if "rolled" in split else {}})
+    what, rows = kind.split()
     cfg = (planned_gemm_config(4.0, "mcg", int(rows), "sm_90a") if what == "dense"
-           else moe_configs.gemm_config(4.0, "mcg", 2, int(rows), wgmma=True, split_halves=bool(split)))
+           else moe_configs.gemm_config(4.0, "mcg", 2, int(rows), wgmma=True))
     main = cfg if what == "dense" else cfg.mainloop
-    assert main.mma == "wgmma" and main.rolled == (rows == "64" or "rolled" in split)
-    assert main.split_halves == bool(split) and (main.x_order == "halves") == bool(split)
+    assert main.mma == "wgmma" and main.rolled == (rows == "64")
     loop = sass.gemm_report(cfg, "sm_90a").main_loop
     groups = stage_a_registers(loop)
     waits = [i.operands.split(",")[-1].strip() for i in loop.instructions if i.opcode == "WARPGROUP.DEPBAR.LE"]
@@ -190,26 +185,6 @@ def test_warpgroup_mma_stages_never_write_a_fragments_that_running_mmas_read(kin
     assert len(groups) >= 2 and set(waits) == {"0x1"}, (len(groups), waits)
     for a, b in zip(groups, groups[1:] + groups[:1]):
         assert not a & b, sorted(a & b)
-
-
-@pytest.mark.parametrize("rolled", [False, True])
-def test_warpgroup_split_halves_add_the_halves_in_the_tensor_cores(rolled, monkeypatch):
-    """A warpgroup-MMA MoE block of split halves (moe_configs.WGMMA_SPLIT_HALVES_MAX_ROWS; X in halves order) issues
-    two HGMMAs a decoded k-tile and no HADD2 nor PRMT (each hash word is an A register as it is), fewer SASS and ALU
-    instructions a weight than the same block summing the halves, on paired hashes, with no spills."""
-    from exl3tool.ops import moe_configs, targets
-
-    monkeypatch.setattr(moe_configs, "WGMMA_BLOCK_LAYOUT", {32: targets.DENSE_WGMMA_SMALL_LAYOUT if rolled else {}})
-    summed, split = (sass.gemm_report(moe_configs.gemm_config(4.0, "mcg", 2, 32, wgmma=True, split_halves=s),
-                                      "sm_90a") for s in (False, True))
-    cfg = moe_configs.gemm_config(4.0, "mcg", 2, 32, wgmma=True, split_halves=True)
-    loop = split.main_loop
-    assert loop.by_opcode["HGMMA"] == 2 * chunk_unroll(cfg.mainloop) * cfg.k_tiles_per_stage
-    assert "HADD2" not in loop.by_opcode and "PRMT" not in loop.by_opcode and "HADD2" in summed.main_loop.by_opcode
-    assert split.loop_weights == summed.loop_weights
-    assert split.per_weight <= summed.per_weight - 0.8, (split.per_weight, summed.per_weight)
-    assert split.per_weight_by_pipe["alu"] < summed.per_weight_by_pipe["alu"] - 0.5
-    assert split.spill_instructions == 0 and split.frame_bytes == 0
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])

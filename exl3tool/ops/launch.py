@@ -25,7 +25,7 @@ from exl3tool.kernels.rotate import (
     OutputRotation,
     OutputRotationConfig,
 )
-from exl3tool.kernels.trellis import DOUBLED_ORDERS, TrellisPlan
+from exl3tool.kernels.trellis import TrellisPlan
 from exl3tool.ops.runtime import compile_cached
 
 # The kernels' name of each activation dtype (their configs name dtypes by string: hashable, printable).
@@ -83,7 +83,7 @@ def build_dequant(cfg: DequantConfig, options: str):
 def build_input_rotation(cfg: InputRotationConfig, options: str):
     m, in_p = cute.sym_int(), cute.sym_int()
     x = _rows(DTYPES[cfg.in_dtype], m, cute.sym_int())
-    xr_cols = cute.sym_int() if cfg.x_order in DOUBLED_ORDERS else in_p  # doubled and halves: 2*in_p
+    xr_cols = cute.sym_int() if cfg.x_order == "doubled" else in_p  # doubled: 2*in_p
     xr_rows = cute.sym_int() if cfg.x_order == "stages" else m  # stages: whole token blocks (linear.x_rows)
     return cute.compile(InputRotation(cfg), x, _vector(cutlass.Float16, in_p),
                         fake_tensor(cutlass.Float16, xr_rows, xr_cols), fake_stream(), options=options)

@@ -29,7 +29,7 @@ from exl3tool.format import Codebook, LinearInfo, LinearTensors
 from exl3tool.kernels.dequant import DequantConfig
 from exl3tool.kernels.gemm import GemmConfig, fitting_config
 from exl3tool.kernels.rotate import SPLITS_IN_FLIGHT, InputRotationConfig, OutputRotationConfig
-from exl3tool.kernels.trellis import DOUBLED_ORDERS, x_double_word, x_fragment_slot, x_row_halves, x_stages_index
+from exl3tool.kernels.trellis import x_doubled_word, x_fragment_slot, x_row_halves, x_stages_index
 from exl3tool.ops import fold, launch, targets
 from exl3tool.ops.launch import KERNEL_DTYPES
 from exl3tool.ops.runtime import require_gpu, target_arch
@@ -380,9 +380,9 @@ def arrange_x(xr: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
         index = x_stages_index(np.arange(xr.shape[0])[:, None], cols[None, :], rows)
         out[torch.from_numpy(index.reshape(-1)).to(xr.device)] = xr.reshape(-1)
         return out.view(rows, xr.shape[1])
-    if cfg.x_order in DOUBLED_ORDERS:
-        out = xr.new_empty((xr.shape[0], x_row_halves(xr.shape[1], cfg.x_order)))
-        words = torch.from_numpy(2 * x_double_word(cols, cfg.x_order)).to(xr.device)
+    if cfg.x_order == "doubled":
+        out = xr.new_empty((xr.shape[0], x_row_halves(xr.shape[1], "doubled")))
+        words = torch.from_numpy(2 * x_doubled_word(cols)).to(xr.device)
         out[:, words], out[:, words + 1] = xr, xr
         return out
     out = torch.empty_like(xr)

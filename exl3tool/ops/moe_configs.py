@@ -19,7 +19,6 @@ from exl3tool.kernels.mainloop import WGMMA_MAX_GROUPS
 from exl3tool.kernels.moe_gemm import MoEGemmConfig, fuses_intermediate
 from exl3tool.kernels.moe_rotate import SILU_GATING, Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
-from exl3tool.kernels.trellis import WGMMA_X_ORDERS
 from exl3tool.ops import targets
 from exl3tool.ops.targets import WGMMA_LAYOUT, check_whole_stages, decode_warps, has_wgmma, split_halves
 
@@ -137,11 +136,6 @@ GATE_UP_FRAGMENT_ORDER_ROWS = (16,)
 # -> 1402.6 us (GEMMs 1395.6 -> 1061.7), M=1024 (64 rows) 552.9 -> 497.1 (433.5 -> 379.0); M=256 (32 rows) lost, 254.5
 # -> 271.0 (its half-empty blocks still pay for every decoded weight).
 MOE_WGMMA_MIN_ROWS = 64
-# Warpgroup-MMA route blocks up to this many rows (0: none) feed each weight's two fp16 halves to two MMAs a k-tile
-# (split halves, X and X2 in halves order: trellis.x_halves_word) instead of summing them in the decode (HADD2 and
-# PRMT): sm_90a K=4 mcg, 32 rows, 8-k-tile stages, 6.41 -> 4.95 SASS a weight (ALU 2.9 -> 2.1), for twice the
-# tensor time, which the warpgroup MMAs have to spare up to N = 32 (2 x 16 clocks a k-tile against ~40 of issue).
-WGMMA_SPLIT_HALVES_MAX_ROWS = 0
 # Route blocks of these sizes keep mma.sync below this mean of routes an expert even where the GPU has warpgroup MMAs:
 # their group loops (GROUP_LOOPS) skip the empty token groups for which a warpgroup MMA pays, and the gate/up GEMM
 # does the intermediate (ready counters: a launch fewer). H200, E=128 top-8 2048x768 K=4 mcg, layer graph, three
@@ -473,9 +467,9 @@ def uses_wgmma(block_rows: int, arch: str | None, mean: float) -> bool:
 
 def x_order(block_rows: int, split: bool = False, wgmma: bool = False, gate_up: bool = False) -> str:
     """Column order of a GEMM's input for route blocks of ``block_rows``: gate/up's X (``gate_up``) or down's X2.
-    For split halves doubled (halves with warpgroup MMAs), else ``targets.wgmma_x_order`` for warpgroup MMAs."""
+    Doubled for split halves, ``targets.wgmma_x_order`` for warpgroup MMAs."""
     if split:
-        return "halves" if wgmma else "doubled"
+        return "doubled"
     if wgmma:
         return targets.wgmma_x_order(block_rows)
     fragments = block_rows in FRAGMENT_ORDER_ROWS or (gate_up and block_rows in GATE_UP_FRAGMENT_ORDER_ROWS)
@@ -484,16 +478,12 @@ def x_order(block_rows: int, split: bool = False, wgmma: bool = False, gate_up: 
 
 def group_x_orders(arch: str, group, s: StepShape) -> tuple[str, str]:
     """Column orders of a group's X (gate/up's input) and X2 (down's) at step ``s`` (x_order)."""
-    split13, split2 = group_splits(arch, group, s.block_rows, s.wgmma)
+    split13, split2 = group_splits(arch, group, s.block_rows)
     return x_order(s.block_rows, split13, s.wgmma, True), x_order(s.block_rows, split2, s.wgmma)
 
 
-def group_splits(arch: str, group, block_rows: int, wgmma: bool = False) -> tuple[bool, bool]:
-    """Split halves for the gate/up and the down GEMM of a group: targets.split_halves for mma.sync blocks (one token
-    group), WGMMA_SPLIT_HALVES_MAX_ROWS for warpgroup-MMA ones."""
-    if wgmma:
-        return tuple(block_rows <= WGMMA_SPLIT_HALVES_MAX_ROWS and split_halves(arch, codebook, 1, bits)
-                     for codebook, bits in ((group.w13_codebook, group.w13_bits), (group.w2_codebook, group.w2_bits)))
+def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
+    """Split halves (targets.split_halves) for the gate/up and the down GEMM of a group, one token group a block."""
     tg = block_rows // 8
     return (split_halves(arch, group.w13_codebook, tg, group.w13_bits),
             split_halves(arch, group.w2_codebook, tg, group.w2_bits))
@@ -624,9 +614,9 @@ class StepConfigs:
 
 def input_rotation_config(g, wgmma: bool, order13: str, lane_values: int, slot_groups: int, x_dtype: str,
                           k: int) -> RouteInputRotationConfig:
-    """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows, stages
-    or halves order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
-    if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in WGMMA_X_ORDERS and g.suh_aligned:
+    """The route input rotation of group ``g``: on the tensor cores for warpgroup-MMA route blocks (X in rows or
+    stages order) of fp16 x where INPUT_ROTATION_MMA, else the shuffle butterflies."""
+    if INPUT_ROTATION_MMA and wgmma and x_dtype == "float16" and order13 in ("rows", "stages") and g.suh_aligned:
         return RouteInputRotationConfig(x_dtype, k, x_order=order13, hadamard="mma", suh_shift=g.suh_shift,
                                         group_first=indexed_first(g), min_ctas_per_sm=INPUT_ROTATION_MIN_CTAS_PER_SM)
     return RouteInputRotationConfig(x_dtype, k, slot_groups, order13, lane_values, group_first=indexed_first(g))
@@ -662,7 +652,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     groups = []
     for g in d.groups:
         i_p = g.intermediate_padded
-        split13, split2 = group_splits(arch, g, s.block_rows, wgmma)
+        split13, split2 = group_splits(arch, g, s.block_rows)
         order13, order2 = group_x_orders(arch, g, s)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
         early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters

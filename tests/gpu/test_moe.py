@@ -816,37 +816,6 @@ def test_splits_in_x_change_no_bit(synthetic, name, m, ctas, monkeypatch):
     assert torch.equal(outs[0], outs[1]), (name, m)
 
 
-@pytest.mark.parametrize("name,m,rows,rolled", [("qwen3-30b-shape-k4-mcg", 256, 32, True),
-                                                ("qwen3-30b-shape-k4-mcg", 128, 16, False),
-                                                ("k2-3inst-unnormalised", 40, 32, True), ("two-groups-k3-k5", 40, 32, False)])
-def test_warpgroup_split_halves_match_the_reference(synthetic, name, m, rows, rolled, monkeypatch):
-    """moe_configs.WGMMA_SPLIT_HALVES_MAX_ROWS: warpgroup-MMA route blocks feed each weight's two fp16 halves to two
-    MMAs a k-tile, X and X2 in halves order (the input rotation and the Intermediate launch write it), in stages of
-    4 k-tiles (two k-tiles a 128-byte swizzle atom) or of 8, rolled. y within MAX_REL of the reference and at least
-    as close as the same blocks summing the halves in the decode (unrounded weights), the same on a second call and
-    in graph replay (layer_with)."""
-    reader = synthetic(name)
-    moe = reader.moe(0, device="cuda")
-    dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(m, moe.hidden, device="cuda") * 0.1).half()
-    layout = {**moe_configs.WGMMA_BLOCK_LAYOUT, rows: targets.DENSE_WGMMA_SMALL_LAYOUT if rolled else {}}
-    ys = {}
-    for split in (True, False):
-        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {"MOE_WGMMA_MIN_ROWS": rows,
-                                                                   "WGMMA_SPLIT_HALVES_MAX_ROWS": rows if split else 0,
-                                                                   "WGMMA_BLOCK_LAYOUT": layout})
-        assert all(c.rolled == rolled for c in made)
-        assert configs.shape.block_rows == rows and made and all(c.mma == "wgmma" for c in made)
-        assert all(c.split_halves == split and c.x_order == ("halves" if split else "rows") for c in made)
-        assert all(g.order13 == g.order2 == ("halves" if split else "rows") for g in configs.groups)
-        ys[split] = y, *(t.clone() for t in routes(plan, m))
-    (y, ids, weights), (summed, ids_summed, _) = ys[True], ys[False]
-    assert torch.equal(ids, ids_summed)
-    want = reference_given(reader, moe, x, ids.long(), weights)
-    assert rel(y, want) < MAX_REL and rel(y, want) < 1.2 * rel(summed, want) + 1e-4, (rel(y, want),
-                                                                                      rel(summed, want))
-
-
 def test_eight_warp_route_blocks_change_no_bit(synthetic, monkeypatch):
     """64-row mcg route blocks run their GEMMs with 8 warps (targets.decode_warps): each output column's sums are
     the same MMAs in the same order as with 4, so y is bit-identical."""
