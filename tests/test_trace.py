@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from exl3tool.bench.trace import live_ctas, load, main, report, save, slot_budget, spread, waves
+from exl3tool.bench.trace import live_ctas, load, main, most_at_once, report, save, slot_budget, spread, waves
 from exl3tool.kernels import ptx
 
 T0 = 5_000_000  # ns: the route's first entry
@@ -49,8 +49,9 @@ def test_report_spreads_points_and_phases():
     assert lines[0].startswith("us from the route's first entry")
     s = sections(lines)
     assert list(s) == ["route", "gate/up", "down", "GEMM slots"]
-    assert s["gate/up"][""] == ["gate/up: 4 CTAs on 3 SMs (1-2 an SM, median 1), 1 last to arrive"]
-    assert s["route"][""] == ["route: 2 CTAs on 2 SMs (1-1 an SM, median 1), 1 last to arrive"]
+    # SM 0 held gate/up CTAs 0 and 1 at once (both entered at 0.5 us)
+    assert s["gate/up"][""] == ["gate/up: 4 CTAs on 3 SMs (1-2 an SM, median 1; 1-2 at once), 1 last to arrive"]
+    assert s["route"][""] == ["route: 2 CTAs on 2 SMs (1-1 an SM, median 1; 1-1 at once), 1 last to arrive"]
     # gate/up's loops end at 10, 11, 12, 13 us: min p10 median p90 max; the last CTA's at 13
     assert s["gate/up"]["loop+P"] == ["10.00", "10.00", "11.50", "13.00", "13.00"]
     assert s["gate/up"]["last loop+P"] == ["13.00"] * 5
@@ -77,6 +78,18 @@ def test_slot_budget_adds_up_to_the_span():
                     "down entries 0.4, loops 0.6, tails 0.6; idle 9.9")
     assert 4.0 + 4.8 + 1.2 + 0.4 + 0.6 + 0.6 + 9.9 == pytest.approx(21.5)
     assert slot_budget(np.zeros_like(made_up()), T0) == []  # no GEMM CTA traced
+
+
+def test_most_at_once_counts_overlapping_stays_per_sm():
+    """Each SM's most CTAs at once, an end before an entry at the same time: SM 0's CTAs 0 and 1 overlap (2), and a
+    third that enters as one of them ends does not make three."""
+    from exl3tool.kernels import ptx
+
+    rows = live_ctas(made_up(), ptx.TRACE_GATE_UP)
+    assert most_at_once(rows).tolist() == [2, 1, 1]
+    third = rows[:1].copy()
+    third[0, ptx.TRACE_ENTRY], third[0, ptx.TRACE_END] = rows[0, ptx.TRACE_END], rows[0, ptx.TRACE_END] + 1000
+    assert most_at_once(np.concatenate([rows, third])).tolist() == [2, 1, 1]
 
 
 def test_report_says_when_nothing_was_traced():

@@ -11,12 +11,16 @@ that prologue is done), and its SM id with a "last to arrive" flag. Outside it t
 report takes the last of MOE_COPIES L2-cold calls of one graph replay of the synthetic Qwen3-30B-A3B-shaped layer
 (as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry: each point's spread over the CTAs that
 did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
-phase's length a CTA, the CTAs an SM, the CTAs without a route block, where the GEMMs' CTA slots went
-(``slot_budget``) and each GEMM's main loops by when they started (``waves``). One expert group's GEMMs (the regions
-are by kernel). The timer ticks in 32 ns on an H100 / H200.
+phase's length a CTA, the CTAs an SM (in all and at once), the CTAs without a route block, where the GEMMs' CTA
+slots went (``slot_budget``) and each GEMM's main loops by when they started (``waves``). One expert group's GEMMs
+(the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
 ``--save DIR`` also writes each M's raw stamps (``trace-m{M}.npz``: ``stamps``, ``us``, ``tokens``, ``device``), so
 that a later question about the same call (a CTA's own timeline, a histogram) needs no device time: ``--load``
 prints their report again, and ``load()`` gives the arrays.
+
+The trace code can move ptxas's register allocation, and with it the CTAs an SM: sm_90a K=4 mcg at M=256, gate/up 80
+-> 64 registers (3 -> 4 CTAs an SM) and down 60 -> 80 (4 -> 3) traced (CPU, ``exl3tool bench --sass`` against the same
+configs compiled with TRACE_ADDR set), so read "at once" against the plain kernels' occupancy before blaming slots.
 
 What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs
 (``moe_configs.DOWN_MAX_CTAS_PER_SM``). Later (M=16-256): the gate/up grid's CTAs without a route block entered last,
@@ -113,8 +117,10 @@ def report(stamps: np.ndarray) -> list[str]:
             continue
         last = live[(live[:, -1] & ptx.TRACE_LAST) != 0]
         per_sm = np.unique(live[:, -1] >> 8, return_counts=True)[1]
+        at_once = most_at_once(live)  # e.g. 3, where registers hold three CTAs an SM and another kernel holds four
         out.append(f"{name}: {len(live)} CTAs on {len(per_sm)} SMs ({per_sm.min()}-{per_sm.max()} an SM, median "
-                   f"{statistics.median(per_sm.tolist()):g}), {len(last)} last to arrive")
+                   f"{statistics.median(per_sm.tolist()):g}; {at_once.min()}-{at_once.max()} at once), {len(last)} "
+                   "last to arrive")
         unused = unused_ctas(stamps, region, t0)[:, ptx.TRACE_ENTRY]
         if len(unused):  # the grid's blocks past the used ones: they hold a slot as they enter and leave
             out.append(f"  {'unused':14s}{len(unused)} CTAs without a block, entered {us(unused.min()):.2f}-"
@@ -131,6 +137,18 @@ def report(stamps: np.ndarray) -> list[str]:
     return out + slot_budget(stamps, t0)
 
 
+def most_at_once(rows: np.ndarray) -> np.ndarray:
+    """The most of ``rows``' CTAs each SM held at once (entry to end; an end before an entry at the same time)."""
+    from exl3tool.kernels import ptx
+
+    most = []
+    for sm in np.unique(rows[:, -1] >> 8):  # +1 at each entry, -1 at each end (ends first)
+        mine = rows[(rows[:, -1] >> 8) == sm]
+        events = sorted([(t, 1) for t in mine[:, ptx.TRACE_ENTRY]] + [(t, -1) for t in mine[:, ptx.TRACE_END]])
+        most.append(int(np.cumsum([step for _, step in events]).max()))
+    return np.array(most, dtype=np.int64)
+
+
 def slot_budget(stamps: np.ndarray, t0: int) -> list[str]:
     """Where the GEMMs' CTA slots went, from the first GEMM CTA's entry to the last one's end (us from ``t0``), each
     SM holding as many slots as the most GEMM CTAs it held at once: the slot time of each GEMM's entries (entry to
@@ -145,11 +163,7 @@ def slot_budget(stamps: np.ndarray, t0: int) -> list[str]:
         return []
     every = np.concatenate([rows for _, rows in gemms])
     begin, end = every[:, ptx.TRACE_ENTRY].min(), every[:, ptx.TRACE_END].max()
-    slots = 0
-    for sm in np.unique(every[:, -1] >> 8):  # the most CTAs at once: +1 at each entry, -1 at each end (ends first)
-        mine = every[(every[:, -1] >> 8) == sm]
-        events = sorted([(t, 1) for t in mine[:, ptx.TRACE_ENTRY]] + [(t, -1) for t in mine[:, ptx.TRACE_END]])
-        slots += int(np.cumsum([step for _, step in events]).max())
+    slots = int(most_at_once(every).sum())
     phases = (("entries", ptx.TRACE_ENTRY, ptx.TRACE_WAITED), ("loops", ptx.TRACE_WAITED, ptx.TRACE_LOOP),
               ("tails", ptx.TRACE_LOOP, ptx.TRACE_END))
     span = (end - begin) / 1000.0
