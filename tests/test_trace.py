@@ -83,8 +83,6 @@ def test_slot_budget_adds_up_to_the_span():
 def test_most_at_once_counts_overlapping_stays_per_sm():
     """Each SM's most CTAs at once, an end before an entry at the same time: SM 0's CTAs 0 and 1 overlap (2), and a
     third that enters as one of them ends does not make three."""
-    from exl3tool.kernels import ptx
-
     rows = live_ctas(made_up(), ptx.TRACE_GATE_UP)
     assert most_at_once(rows).tolist() == [2, 1, 1]
     third = rows[:1].copy()

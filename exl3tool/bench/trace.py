@@ -19,8 +19,9 @@ that a later question about the same call (a CTA's own timeline, a histogram) ne
 prints their report again, and ``load()`` gives the arrays.
 
 The trace code can move ptxas's register allocation, and with it the CTAs an SM: sm_90a K=4 mcg at M=256, gate/up 80
--> 64 registers (3 -> 4 CTAs an SM) and down 60 -> 80 (4 -> 3) traced (CPU, ``exl3tool bench --sass`` against the same
-configs compiled with TRACE_ADDR set), so read "at once" against the plain kernels' occupancy before blaming slots.
+-> 64 registers (3 -> 4 CTAs an SM) and down 60 -> 80 (4 -> 3) traced (CPU: ``exl3tool.sass.gemm_report`` of the same
+configs with and without ``ptx.TRACE_ADDR`` set), so read "at once" against the plain kernels' occupancy before
+blaming slots.
 
 What it found first (H100, M=1): the down GEMM's 768 CTAs landed on 80 of 132 SMs
 (``moe_configs.DOWN_MAX_CTAS_PER_SM``). Later (M=16-256): the gate/up grid's CTAs without a route block entered last,
