@@ -29,7 +29,10 @@ weight stages load (``rotate_expert_input``, the dense GEMM's M = 1 prologue), s
 first CTA of each block writes that route's ``route_row`` / ``row_route`` in its place. With ``resident_rows`` > 1
 (a few tokens: an expert's routes, one a token, all in its one block, each in the row of its rank) each CTA first
 finds its block's routes from the route ranks (``find_block_routes``) and rotates each one's token into a row of
-its own.
+its own. With ``route`` (one token behind a route kernel that wrote only the logits) warp 0 of each CTA chooses the
+token's routes itself (``MoERoute.choose``) and takes slot ``blk``'s expert; with ``writes_routes`` CTA (0, 0, 0)
+also writes topk_ids / topk_weights / the ranks and releases ``block_expert``, which the down GEMM's CTAs await
+with acquire loads (``awaits_block_expert``) before their weight copies.
 
 With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k-tile) a block whose row 256 is
 padding (``row_route`` -1; a block's routes are its first rows) runs a second copy of the main loop without the
@@ -63,6 +66,7 @@ from cutlass import Float32, Int32, Int64
 from . import ptx
 from .gemm import GemmConfig, check_smem
 from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
+from .moe_route import MoERoute, MoERouteConfig
 from .moe_rotate import (
     PARTIALS_DTYPES,
     SILU_GATING,
@@ -170,6 +174,17 @@ class MoEGemmConfig:
     # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
     # launched beside another kernel's last CTAs spreads over more SMs (moe_configs.spread_pad).
     smem_pad: int = 0
+    # Gate/up with ``input`` at one token with slot blocks, behind a route kernel that wrote only the logits
+    # (MoERouteConfig.logits_only): the CTA chooses its block's expert itself from the logits (``MoERoute.choose``,
+    # the route kernel's own selection: block j is slot j's) instead of reading block_expert.
+    route: MoERouteConfig | None = None
+    # With ``route``, gate/up of the first group: its CTA (0, 0, 0) also writes the token's topk_ids, topk_weights
+    # and ranks, and releases block_expert (which that route kernel set to -1), as the route kernel does.
+    writes_routes: bool = False
+    # Down with ``topk_sum`` behind those: the CTA reads its block's expert with acquire loads until that gate/up
+    # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that its
+    # weight copies still go out before its PDL wait.
+    awaits_block_expert: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -182,6 +197,13 @@ class MoEGemmConfig:
             raise ValueError("the fused intermediate is for gate/up with private decode, rows a multiple of warps")
         if self.tail_row_pairs and (not self.intermediate_splits or self.tail_rows_per_warp % 2):
             raise ValueError("tail_row_pairs is for the fused intermediate with an even number of rows a warp")
+        if self.route is not None and not (self.route.logits_only and self.input is not None
+                                           and self.resident_rows == 1):
+            raise ValueError("route is for the one-token gate/up GEMM (a row of x) behind logits_only")
+        if self.writes_routes and self.route is None:
+            raise ValueError("writes_routes is for the gate/up GEMM that chooses its route")
+        if self.awaits_block_expert and (self.topk_sum is None or not self.weights_before_wait):
+            raise ValueError("awaits_block_expert is for the one-token down GEMM with its weights before its wait")
         if self.smem_pad % 16 or self.smem_pad < 0:
             raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
         if self.gating != SILU_GATING and not self.intermediate_splits:
@@ -285,6 +307,8 @@ class MoEGemm(DecodeGemmKernel):
         mWeights,
         mY,
         mSumCounter,
+        mLogits,
+        mBias,
         stream: cuda.CUstream,
     ):
         """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
@@ -292,7 +316,8 @@ class MoEGemm(DecodeGemmKernel):
         (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None; mRank: the
         route ranks with resident rows, else None. mCounter: the fused intermediate's arrival counters (one per
         route block and 128 columns) and the blocks' ready counters after them, else None; mSumCounter: the fused
-        top-k sum's (one per 128 columns), else None."""
+        top-k sum's (one per 128 columns), else None. mLogits ``[1, E_r]`` fp32, mBias (the router's bias, or any
+        fp32 tensor): with ``route``, else None; mWeights and mRank also where the GEMM writes the routes."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
         if cutlass.const_expr(mCounter is None):
@@ -306,7 +331,11 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(mRank is None):
             mRank = mBlockExpert  # never touched: no resident rows
         if cutlass.const_expr(mSvh is None):
-            mSvh, mSvhRow, mWeights, mY = mP, mBlockExpert, mP, mP  # never touched: no fused top-k sum
+            mSvh, mSvhRow, mY = mP, mBlockExpert, mP  # never touched: no fused top-k sum
+        if cutlass.const_expr(mWeights is None):
+            mWeights = mP  # never touched: neither the fused top-k sum nor the routes' writer
+        if cutlass.const_expr(mLogits is None):
+            mLogits, mBias = mP, mP  # never touched: the block's expert from block_expert
         if cutlass.const_expr(mSumCounter is None):
             mSumCounter = mP  # never touched: no fused top-k sum
         columns = self.cfg.planes * mW.shape[3] // self.cfg.warps
@@ -315,7 +344,7 @@ class MoEGemm(DecodeGemmKernel):
             grid = (columns * mP.shape[0], mBlockExpert.shape[0], 1)
         self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
                     inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
-                    mSumCounter).launch(
+                    mSumCounter, mLogits, mBias).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
             **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
@@ -325,7 +354,7 @@ class MoEGemm(DecodeGemmKernel):
                mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mRank: cute.Tensor,
                mSvh: cute.Tensor, mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor,
-               mSumCounter: cute.Tensor):
+               mSumCounter: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor):
         cfg, main = self.cfg, self.cfg.mainloop
         region = ptx.TRACE_GATE_UP if cfg.planes == 2 else ptx.TRACE_DOWN  # the timing trace's (ptx.TRACE_ADDR)
         ptx.trace_stamp(region, ptx.TRACE_ENTRY)
@@ -360,7 +389,20 @@ class MoEGemm(DecodeGemmKernel):
             sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)
         elif cutlass.const_expr(cfg.topk_sum is not None):
             sTerm = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), cute.make_layout(cfg.term_words))
-        expert = mBlockExpert[blk]
+        if cutlass.const_expr(cfg.route is not None):
+            # warp 0 chooses and the CTA takes its choice from shared memory: every warp choosing (24 an SM, and
+            # down's CTAs too) made the prologue after the PDL wait 1.31 -> 2.85 us median, 7.65 at p90, and the
+            # layer 21.81 -> 24.63 us (M=1, H100)
+            sChosen = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+            if warp == 0:
+                choose_block_expert(cfg, mLogits, mBias, mIds, mWeights, mRank, mBlockExpert, sChosen, blk,
+                                    (bn == 0) & (split == 0) & (blk == 0), lane)
+            cute.arch.sync_threads()
+            expert = sChosen[0]
+        elif cutlass.const_expr(cfg.awaits_block_expert):
+            expert = await_block_expert(mBlockExpert.iterator.toint() + Int64(blk) * 4)
+        else:
+            expert = mBlockExpert[blk]
         p = group_row_of(mGroupRow, expert, cfg.group_first, mW.shape[1])
         if expert >= 0 and p >= 0:
             n_col_tiles = mW.shape[3]
@@ -415,7 +457,11 @@ class MoEGemm(DecodeGemmKernel):
                         ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
                 decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
                                 col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue, prologue_loads=loads)
-                if bn == 0 and split == 0 and tid < mIds.shape[1]:
+                if cutlass.const_expr(cfg.route is not None):
+                    if bn == 0 and split == 0 and tid == 0:  # block blk holds slot blk (mIds may not be written yet)
+                        mRouteRow[blk] = tok0
+                        mRowRoute[tok0] = blk
+                elif bn == 0 and split == 0 and tid < mIds.shape[1]:
                     if mIds[0, tid] == expert:  # this block's one route: slot tid of token 0
                         mRouteRow[tid] = tok0
                         mRowRoute[tok0] = tid
@@ -532,6 +578,63 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
+
+
+def choose_block_expert(cfg: MoEGemmConfig, mLogits, mBias, mIds, mWeights, mRank, mBlockExpert, sChosen, blk,
+                        writer, lane):
+    """One warp: ``sChosen[0]`` = the expert of route block ``blk`` (slot ``blk`` of the one token) from the
+    router's logits; the ``writer`` warp of a ``writes_routes`` GEMM also stores the token's routes as the route
+    kernel's top-k and slot blocks would (each routed expert's rank 0: a token's experts are distinct). Traced
+    inline."""
+    router = MoERoute(cfg.route)
+    n, k = cfg.route.num_experts, cfg.route.top_k
+    row = mLogits.iterator.toint()
+    ids, weights = router.choose([row], mBias, lane)[0]
+    expert = ids[0]
+    for j in range(1, k):
+        expert = cutlass.select_(blk == j, ids[j], expert)
+    if cfg.route.shared != "none":
+        expert = cutlass.select_(blk == k, Int32(n), expert)  # the shared expert's slot k
+    if cfg.writes_routes:
+        mine, w = router.slot_route(ids, weights, lane)  # (a division a lane: cheap beside the loads before it)
+        write_routes(mine, w, router.shared_gate(row), mIds, mWeights, mRank, mBlockExpert, writer, lane, n, k,
+                     cfg.route.shared != "none")
+    store_choice(sChosen, expert, lane)
+
+
+@cute.jit
+def await_block_expert(addr: Int64) -> Int32:
+    """Acquire loads of a block's expert until it is not -1 (``awaits_block_expert``)."""
+    expert = ptx.ld_acquire_u32(addr)
+    while expert < 0:
+        ptx.nanosleep(64)
+        expert = ptx.ld_acquire_u32(addr)
+    return expert
+
+
+@cute.jit
+def store_choice(sChosen: cute.Tensor, expert: Int32, lane: Int32):
+    if lane == 0:
+        sChosen[0] = expert
+
+
+@cute.jit
+def write_routes(mine: Int32, w: Float32, gate: Float32, mIds: cute.Tensor, mWeights: cute.Tensor,
+                 mRank: cute.Tensor, mBlockExpert: cute.Tensor, writer, lane: Int32, n: cutlass.Constexpr,
+                 k: cutlass.Constexpr, shared: cutlass.Constexpr):
+    """``choose_block_expert``'s stores: lane j writes slot j (``mine``, ``w``), lane k the shared expert's."""
+    if writer:
+        if lane < k:
+            mIds[0, lane] = mine
+            mWeights[0, lane] = w
+            mRank[lane] = Int32(0)
+            ptx.st_release_u32(mBlockExpert.iterator.toint() + Int64(lane) * 4, mine)  # after the stores above
+        if cutlass.const_expr(shared):
+            if lane == k:
+                mIds[0, k] = Int32(n)
+                mWeights[0, k] = gate
+                mRank[k] = Int32(0)
+                ptx.st_release_u32(mBlockExpert.iterator.toint() + Int64(k) * 4, Int32(n))
 
 
 def tail_route(cfg: MoEGemmConfig, mRowRoute: cute.Tensor, sRoute: cute.Tensor, row, slot):

@@ -45,6 +45,10 @@ the atomics, which changes no result: every packed row is computed independently
 in (token, slot) order. The arrival counters and the
 global counts reset themselves (the shared ones start at zero in every CTA), so the launch replays in a CUDA
 graph with no host work.
+
+With ``logits_only`` (one token, slot blocks) the kernel stops at the logits and sets ``block_expert[0 .. k'-1]``
+to -1: the gate/up GEMM's CTAs each run ``choose`` (the same selection), one of them writes the routes and releases
+the block table, and the down GEMM awaits it (``moe_gemm``).
 """
 
 from dataclasses import dataclass
@@ -91,6 +95,10 @@ class MoERouteConfig:
     # prefix sum and CTA barriers: 0.93 us of the route's 5.1 at M=1 on an H100, exl3tool.bench.trace). Only the
     # one-token GEMMs read the blocks then, by expert (moe_gemm's prologue), never expert_row nor padding rows.
     slot_blocks: bool = False
+    # One token with slot blocks: this kernel only writes the logits; each GEMM CTA chooses the token's routes itself
+    # (``choose``, the same bits) and one gate/up CTA writes them (moe_gemm's ``route``), so that no CTA of this
+    # launch waits for the others (the arrival and the top-k: 1.85 of M=1's 4.22 us here on an H100, bench.trace).
+    logits_only: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -107,6 +115,8 @@ class MoERouteConfig:
             raise ValueError("expert_tile must be 16 or 32, token_tile 8, 16 or 32")
         if self.slot_blocks and self.method == "given":
             raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
+        if self.logits_only and not self.slot_blocks:
+            raise ValueError("logits_only is for one token with slot_blocks (the GEMMs choose the routes)")
 
     @property
     def chunks(self) -> int:
@@ -290,9 +300,26 @@ class MoERoute:
         else:
             self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, lane, tid, False)
 
-        # --- the last CTA of this token block: top-k of its tokens ----------------------------------------
-        counter = mCounters.iterator.toint() + Int64(tb) * 4
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_WAITED)  # (its logits stored)
+        if cutlass.const_expr(cfg.logits_only):
+            if (chunk == 0) & (tid < cfg.routes_per_token):  # the gate/up GEMM writes (releases) them
+                mBlockExpert[tid] = Int32(-1)
+            ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
+            ptx.trace_flags(ptx.TRACE_ROUTE, ptx.TRACE_LIVE)
+        else:
+            self.routes(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounters, mCounts, mExpertRow,
+                        mBlockExpert, mRowRoute, block_rows, sFlag, sScan, sCount, single, tb, n_chunks, n_tb, tid,
+                        warp, lane, tokens)
+
+    @cute.jit
+    def routes(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
+               mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounters: cute.Tensor, mCounts: cute.Tensor,
+               mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, block_rows: Int32,
+               sFlag: cute.Tensor, sScan: cute.Tensor, sCount: cute.Tensor, single, tb: Int32, n_chunks: Int32,
+               n_tb: Int32, tid: Int32, warp: Int32, lane: Int32, tokens: Int32):
+        """The last CTA of token block ``tb`` (its logits stored): top-k of its tokens, then the packing."""
+        cfg = self.cfg
+        counter = mCounters.iterator.toint() + Int64(tb) * 4
         ptx.count_in(counter, n_chunks, sFlag, 0, tid)
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_LOOP)  # (arrived)
         if sFlag[0] != 0:
@@ -469,55 +496,17 @@ class MoERoute:
         n, k = cfg.num_experts, cfg.top_k
         toks = [first + WARPS * u for u in range((cfg.token_tile + WARPS - 1) // WARPS)]
         rows = [mLogits.iterator.toint() + Int64(cutlass.min(t, tokens - 1)) * mLogits.shape[1] * 4 for t in toks]
-        expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
-        valid = [x < n for x in expert]
         chosen = []  # per token: (ids, weights) of its k routes, in every lane
         if cutlass.const_expr(cfg.method == "given"):
             given = [cutlass.min(t, tokens - 1) for t in toks]
             chosen = [([mGivenIds[t, j] for j in range(k)], [Float32(mGivenW[t, j]) for j in range(k)]) for t in given]
         else:
-            logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
-                       for i in range(self.per_lane)] for row in rows]
-            bias = [Float32(0.0)] * self.per_lane
-            if cutlass.const_expr(cfg.correction_bias or cfg.logit_bias):
-                bias = [Float32(mBias[cutlass.min(expert[i], n - 1)]) for i in range(self.per_lane)]
-            if cutlass.const_expr(cfg.logit_bias):  # padding experts stay -inf
-                logits = [[logit[i] + bias[i] for i in range(self.per_lane)] for logit in logits]
-            scored = [self.scores(logit, expert, valid, bias) for logit in logits] if len(toks) <= 2 else []
-            # the one-redux chain where latency rules (<= 2 tokens a warp; H200 route alone M=1 6.43 -> 6.24 us,
-            # M=16 8.80 -> 8.51); with 4 tokens a warp its extra work costs more than it saves (M=4096 +2.5 us)
-            fast = [self.pick_fast(choice, expert, score) for score, choice, _ in scored] if len(toks) <= 2 else []
-            for u in cutlass.range_constexpr(len(fast)):
-                picked = cute.make_rmem_tensor(cute.make_layout(k), Int32)
-                picked_w = cute.make_rmem_tensor(cute.make_layout(k), Float32)
-                for j in cutlass.range_constexpr(k):
-                    picked[j] = fast[u][0][j]
-                    picked_w[j] = fast[u][1][j]
-                if not fast[u][2]:  # a tie, a NaN or a zero among the candidates (all rare): the exact search
-                    exact = self.pick(scored[u][1], expert, scored[u][0])
-                    for j in cutlass.range_constexpr(k):
-                        picked[j] = exact[0][j]
-                        picked_w[j] = exact[1][j]
-                weights = self.normalized([picked_w[j] for j in range(k)], scored[u][2], lane)
-                chosen.append(([picked[j] for j in range(k)], weights))
-            if cutlass.const_expr(len(fast) == 0):
-                for logit in logits:  # per token, scores then picks (the order the kernel was measured in)
-                    score, choice, total = self.scores(logit, expert, valid, bias)
-                    ids, weights = self.pick(choice, expert, score)
-                    chosen.append((ids, self.normalized(weights, total, lane)))
-        gates = [Float32(1.0)] * len(toks)
-        if cutlass.const_expr(cfg.shared == "gated"):
-            gates = [Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + n * 4))) for row in rows]
+            chosen = self.choose(rows, mBias, lane)
+        gates = [self.shared_gate(row) for row in rows]
         routes = mIds.shape[1]
         for u in cutlass.range_constexpr(len(toks)):
             tok = toks[u]
-            ids, weights = chosen[u]
-            mine, w = ids[0], weights[0]
-            for j in cutlass.range_constexpr(1, k):
-                mine = cutlass.select_(lane == j, ids[j], mine)
-                w = cutlass.select_(lane == j, weights[j], w)
-            if cutlass.const_expr(cfg.method != "given"):
-                w = self.finish(weights, w)  # this lane's slot only (the caller's weights stay as given)
+            mine, w = self.slot_route(*chosen[u], lane)
             if (tok < tokens) & (lane < k):
                 mIds[tok, lane] = mine
                 mW[tok, lane] = w
@@ -532,6 +521,65 @@ class MoERoute:
                     mIds[tok, k] = Int32(n)
                     mW[tok, k] = gates[u]
                     mRank[tok * routes + k] = tok
+
+    @cute.jit
+    def choose(self, rows, mBias: cute.Tensor, lane: Int32):
+        """The router's k routes of each token whose fp32 logits start at address ``rows[u]`` (one warp, every
+        lane): a list of (ids, weights) in slot order, the weights before ``finish``. The route kernel's top-k and
+        the one-token GEMMs that choose their blocks' experts themselves (moe_gemm's ``route``) both run this."""
+        cfg = self.cfg
+        n, k = cfg.num_experts, cfg.top_k
+        expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
+        valid = [x < n for x in expert]
+        chosen = []
+        logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
+                   for i in range(self.per_lane)] for row in rows]
+        bias = [Float32(0.0)] * self.per_lane
+        if cutlass.const_expr(cfg.correction_bias or cfg.logit_bias):
+            bias = [Float32(mBias[cutlass.min(expert[i], n - 1)]) for i in range(self.per_lane)]
+        if cutlass.const_expr(cfg.logit_bias):  # padding experts stay -inf
+            logits = [[logit[i] + bias[i] for i in range(self.per_lane)] for logit in logits]
+        scored = [self.scores(logit, expert, valid, bias) for logit in logits] if len(rows) <= 2 else []
+        # the one-redux chain where latency rules (<= 2 tokens a warp; H200 route alone M=1 6.43 -> 6.24 us,
+        # M=16 8.80 -> 8.51); with 4 tokens a warp its extra work costs more than it saves (M=4096 +2.5 us)
+        fast = [self.pick_fast(choice, expert, score) for score, choice, _ in scored] if len(rows) <= 2 else []
+        for u in cutlass.range_constexpr(len(fast)):
+            picked = cute.make_rmem_tensor(cute.make_layout(k), Int32)
+            picked_w = cute.make_rmem_tensor(cute.make_layout(k), Float32)
+            for j in cutlass.range_constexpr(k):
+                picked[j] = fast[u][0][j]
+                picked_w[j] = fast[u][1][j]
+            if not fast[u][2]:  # a tie, a NaN or a zero among the candidates (all rare): the exact search
+                exact = self.pick(scored[u][1], expert, scored[u][0])
+                for j in cutlass.range_constexpr(k):
+                    picked[j] = exact[0][j]
+                    picked_w[j] = exact[1][j]
+            weights = self.normalized([picked_w[j] for j in range(k)], scored[u][2], lane)
+            chosen.append(([picked[j] for j in range(k)], weights))
+        if cutlass.const_expr(len(fast) == 0):
+            for logit in logits:  # per token, scores then picks (the order the kernel was measured in)
+                score, choice, total = self.scores(logit, expert, valid, bias)
+                ids, weights = self.pick(choice, expert, score)
+                chosen.append((ids, self.normalized(weights, total, lane)))
+        return chosen
+
+    def slot_route(self, ids, weights, lane):
+        """(expert, weight) of this lane's slot (lane j: route j) of one token's ``choose``d or given routes; the
+        router's weights finished (renormalised, scaled), the caller's as given. Traced inline."""
+        mine, w = ids[0], weights[0]
+        for j in range(1, self.cfg.top_k):
+            mine = cutlass.select_(lane == j, ids[j], mine)
+            w = cutlass.select_(lane == j, weights[j], w)
+        if self.cfg.method != "given":
+            w = self.finish(weights, w)  # this lane's slot only
+        return mine, w
+
+    def shared_gate(self, row):
+        """The shared expert's weight for the token whose logits start at ``row``: sigmoid of its gate logit (row
+        E of the router) when gated, else 1. Traced inline."""
+        if self.cfg.shared != "gated":
+            return Float32(1.0)
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + self.cfg.num_experts * 4)))
 
     def scores(self, logit, expert, valid, bias):
         """One token's (score, choice, total) of this lane's experts: the selection comes from the choices, the

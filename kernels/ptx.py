@@ -430,6 +430,13 @@ def ld_acquire_u32(gmem_addr, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def st_release_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
+    """A device-scope release store: this thread's writes before it are visible to whoever acquires the value."""
+    values = [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)]
+    _asm_void(values, "st.release.gpu.global.u32 [$0], $1;", "l,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     _asm_void([], f"nanosleep.u32 {ns};", "", loc=loc, ip=ip)
 

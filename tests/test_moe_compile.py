@@ -841,6 +841,30 @@ def test_route_with_slot_blocks_skips_the_packing():
         assert direct.count("bar.sync") < packed.count("bar.sync")
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "deepseek-grouped-sigmoid", "k3.5-mul1-shared-gated",
+                                  "gpt-oss-20b"])
+def test_one_token_gemms_choose_their_routes(name):
+    """moe_configs.ROUTE_IN_GEMMS at one token: the route kernel (MoERouteConfig.logits_only) compiles (sm_120a,
+    sm_90a) to the logits alone, with no arrival atomic and no top-k (redux.sync); each group's gate/up GEMM
+    (MoEGemmConfig.route) with the selection's redux.sync, which it has none of without it, the first one releasing
+    the block table; each down GEMM (awaits_block_expert) with acquire loads of it instead."""
+    from test_moe_configs import LAYERS, MODELS
+
+    c = moe_configs.step_configs({**LAYERS, **MODELS}[name], 1, False, "sm_90a", 132, "float16", "float16")
+    assert c.route.logits_only
+    full = dataclasses.replace(c.route, logits_only=False)
+    for arch in ("sm_120a", "sm_90a"):
+        alone, whole = ptx_of(c.route, arch), ptx_of(full, arch)
+        assert alone.count("redux.sync") == alone.count("atom.") == 0 < whole.count("redux.sync")
+        assert whole.count("atom.") > 0
+    for i, g in enumerate(c.groups):
+        chooses, reads = ptx_of(g.gate_up), ptx_of(dataclasses.replace(g.gate_up, route=None, writes_routes=False))
+        assert chooses.count("redux.sync") > 0 == reads.count("redux.sync"), name
+        assert (chooses.count("st.release.gpu") > 0) == (i == 0) and reads.count("st.release.gpu") == 0
+        awaits, reads = ptx_of(g.down), ptx_of(dataclasses.replace(g.down, awaits_block_expert=False))
+        assert awaits.count("ld.acquire.gpu") > reads.count("ld.acquire.gpu") and awaits.count("redux.sync") == 0
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     """MoEGemmConfig.early_prologue_loads (the gate/up GEMM that rotates one row of x itself): the prologue's 8-byte

@@ -4,6 +4,7 @@ shared experts); split-K always covers K in whole stages; the launch count."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -433,6 +434,40 @@ def test_slot_blocks_at_one_token_where_only_the_one_token_gemms_read_the_blocks
     assert not slot(1)
     with pytest.raises(ValueError, match="slot_blocks"):
         MoERouteConfig("given", 128, 8, slot_blocks=True)
+
+
+def test_routes_chosen_in_the_gemms_at_one_token_with_slot_blocks(monkeypatch):
+    """moe_configs.ROUTE_IN_GEMMS: with slot blocks (one token, the router's routes) the route kernel writes only the
+    logits (MoERouteConfig.logits_only), every group's gate/up GEMM chooses its blocks' experts (MoEGemmConfig.route,
+    the route's own config), the first one alone writes the routes, and every down GEMM awaits its block's expert
+    (awaits_block_expert); without slot blocks nothing changes, and the configs refuse the flags anywhere else."""
+    def plan(m, given=False, **layer):
+        return moe_configs.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16")
+
+    for layer in ({}, {"shared": "gated"}):
+        c = plan(1, **layer)
+        assert c.route.logits_only and c.route.slot_blocks
+        assert all(g.gate_up.route == c.route and g.down.route is None for g in c.groups)
+        assert [g.gate_up.writes_routes for g in c.groups] == [True] + [False] * (len(c.groups) - 1)
+        assert all(g.down.awaits_block_expert and not g.gate_up.awaits_block_expert for g in c.groups)
+    for c in (plan(1, given=True), plan(2)):
+        assert not c.route.logits_only
+        assert all(g.gate_up.route is None and not g.down.awaits_block_expert for g in c.groups)
+    monkeypatch.setattr(moe_configs, "ROUTE_IN_GEMMS", False)
+    c = plan(1)
+    assert c.route.slot_blocks and not c.route.logits_only and c.groups[0].gate_up.route is None
+    with pytest.raises(ValueError, match="logits_only"):
+        MoERouteConfig("softmax_topk", 128, 8, logits_only=True)
+    route = plan(1).route
+    gate_up, down = plan(1).groups[0].gate_up, plan(1).groups[0].down
+    with pytest.raises(ValueError, match="route is for"):
+        dataclasses.replace(down, route=route)
+    with pytest.raises(ValueError, match="awaits_block_expert"):
+        dataclasses.replace(plan(16).groups[0].down, awaits_block_expert=True)  # no fused top-k sum
+    with pytest.raises(ValueError, match="route is for"):
+        dataclasses.replace(gate_up, route=dataclasses.replace(route, logits_only=False, slot_blocks=False))
+    with pytest.raises(ValueError, match="writes_routes"):
+        dataclasses.replace(gate_up, route=None, writes_routes=True)
 
 
 def test_down_gemm_is_spread_only_where_it_fits_one_wave_at_the_cap():

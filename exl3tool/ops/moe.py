@@ -338,10 +338,12 @@ class MoEPlan:
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
                                             ((s.blocks * (i_p // 128 + s.ready_counters),), torch.int32))
                 tail = (g.rotations, x2, row_route, counter, g.intermediate)
-            ranks = rank if g13.resident_rows > 1 else None
+            ranks = rank if g13.resident_rows > 1 or g13.writes_routes else None
             prologue = (g.gate_suh, g.up_suh, ids, route_row, ranks) if resident else ()
             gate_up = (X_ARG if resident else K.as_words(xr), g.w13, p13, block_expert, g.group_row, gc.per13,
                        *tail, *prologue)
+            if g13.route is not None:  # svh .. sum_counters (weights where it writes the routes), logits, bias
+                gate_up += (None, None, weights if g13.writes_routes else None, None, None, logits, bias)
             if gc.rotation is not None:
                 step.launches.append((K.launch_input_rotation, K.compiled(gc.rotation, arch),
                                       (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row, g.group_row,

@@ -311,6 +311,12 @@ SLOT_BLOCKS = True
 # lines lost (M=1 22.34 -> 22.77). H100, E=128 top-8 2048x768 K=4 mcg, layer graph, two rounds, y bit-identical, us:
 # M=1 22.28 -> 21.99 (spreads 0.02) (docs/perf.md, sixty-first session).
 EARLY_PROLOGUE_LOADS = True
+# With slot blocks, the route kernel writes only the logits, each gate/up CTA chooses its block's expert itself
+# (MoERouteConfig.logits_only, MoEGemmConfig.route: the route's own selection, by warp 0), the first group's gate/up
+# writes the routes and releases the block table, and the down GEMMs await it (awaits_block_expert): no route CTA
+# waits for the others' logits to run the top-k (the trace, M=1 on an H100: logits stored 2.24-2.37 us, the top-k
+# done 4.10, the route's end 4.22; with this, the route's end 2.40 and gate/up's prologue 5.98 -> 4.93 median).
+ROUTE_IN_GEMMS = True
 
 
 @dataclass(frozen=True)
@@ -690,6 +696,10 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
         route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
+        if ROUTE_IN_GEMMS:
+            route = replace(route, logits_only=True)
+            groups = [replace(g, gate_up=replace(g.gate_up, route=route, writes_routes=i == 0),
+                              down=replace(g.down, awaits_block_expert=True)) for i, g in enumerate(groups)]
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
 
 

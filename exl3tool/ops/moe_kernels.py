@@ -49,12 +49,18 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     if cfg.input is not None:  # x itself; gate and up suh
         x = fake_tensor(DTYPES[cfg.input], cfg.resident_rows, None, align=2)
         suh = [fake_tensor(F16, None, None), fake_tensor(F16, None, None)]
-    if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row; with resident rows the ranks
+    if cfg.input is not None or cfg.topk_sum is not None:  # topk_ids, route_row; the ranks with resident rows or
+        # where the GEMM writes the routes
         routes = [fake_tensor(I32, cfg.resident_rows, None), fake_tensor(I32, None),
-                  fake_tensor(I32, None) if cfg.resident_rows > 1 else None]
+                  fake_tensor(I32, None) if cfg.resident_rows > 1 or cfg.writes_routes else None]
     if cfg.topk_sum is not None:  # down_svh, svh_row, topk_weights, y
         topk = [fake_tensor(F16, None, None), fake_tensor(I32, None), fake_tensor(F32, 1, None),
                 fake_tensor(DTYPES[cfg.topk_sum.out_dtype], 1, None)]
+    if cfg.writes_routes:  # topk_weights
+        topk[2] = fake_tensor(F32, 1, None)
+    chooser = [None] * 2
+    if cfg.route is not None:  # the router's logits and bias
+        chooser = [fake_tensor(F32, 1, None), fake_tensor(F32, None)]
     args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), partials_tensor(cfg, rows),
             fake_tensor(I32, None), fake_tensor(I32, None), 0]
     inter = [None] * 2
@@ -63,8 +69,8 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     row_route = fake_tensor(I32, rows) if cfg.takes_row_route else None
     counter = fake_tensor(I32, None) if cfg.intermediate_splits or cfg.ready_wait else None
     sum_counter = fake_tensor(I32, None) if cfg.topk_sum is not None else None
-    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk + [sum_counter],
-                    options)
+    return _compile(MoEGemm(cfg), args + inter + [row_route, counter, 0] + suh + routes + topk + [sum_counter]
+                    + chooser, options)
 
 
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
@@ -115,9 +121,10 @@ def launch_route(fn, x, router, bias, given_ids, given_w, logits, ids, w, rank, 
 
 def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles_per_split: int, rotations=None,
                 x2=None, row_route=None, counters=None, inter_true: int = 0, gate_suh=None, up_suh=None, ids=None,
-                route_row=None, rank=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None):
+                route_row=None, rank=None, svh=None, svh_row=None, weights=None, y=None, sum_counters=None,
+                logits=None, bias=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
-       inter_true, gate_suh, up_suh, ids, route_row, rank, svh, svh_row, weights, y, sum_counters)
+       inter_true, gate_suh, up_suh, ids, route_row, rank, svh, svh_row, weights, y, sum_counters, logits, bias)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

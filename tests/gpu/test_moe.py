@@ -640,6 +640,41 @@ def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "SLOT_BLOCKS", check)
 
 
+@pytest.mark.parametrize("name,ties", [("qwen3-30b-shape-k4-mcg", False), ("qwen3-30b-shape-k4-mcg", True),
+                                       ("two-groups-k3-k5", False), ("k3.5-mul1-shared-gated", False),
+                                       ("k3.5-mul1-shared-gated", True), ("deepseek-grouped-sigmoid", False),
+                                       ("lfm2-moe-expert-bias", False), ("gpt-oss-biased-swiglu", False),
+                                       ("qwen3-next-512-experts-top-10", False)])
+def test_routes_chosen_in_the_gemms_change_no_bit(synthetic, name, ties, monkeypatch):
+    """moe_configs.ROUTE_IN_GEMMS: at one token the route kernel writes only the logits, every gate/up CTA chooses
+    its block's expert itself (MoERouteConfig.logits_only, MoEGemmConfig.route), the first group's gate/up writes the
+    routes and the down GEMMs await the block table it releases (awaits_block_expert): the routes (ids, weights, ranks, block_expert) and y are bit-identical to the route kernel's
+    top-k, eagerly (twice) and in graph replay, and y within MAX_REL of the reference (softmax, grouped sigmoid with
+    correction bias and scale, a logit bias, shared experts gated, two groups). ``ties``: the routed experts' router
+    rows zeroed, so that every logit ties and the selection takes its exact search (experts 0 .. k-1)."""
+    reader = synthetic(name)
+    moe = reader.moe(0, device="cuda")
+    dmoe = DeviceMoE.from_layer(moe)
+    if ties:
+        dmoe.router[: moe.num_experts].zero_()
+    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    k = dmoe.route.routes_per_token
+    seen = []
+    for on in (True, False):
+        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {"ROUTE_IN_GEMMS": on})
+        assert configs.route.logits_only == on and configs.route.slot_blocks
+        assert [c.route is not None for c in made] == [on, False] * (len(made) // 2), name
+        assert [c.awaits_block_expert for c in made] == [False, on] * (len(made) // 2), name
+        assert [c.writes_routes for c in made] == [on] + [False] * (len(made) - 1), name
+        seen.append((y, *(t.clone() for t in routes(plan, 1)), plan.rank[:k].clone(), plan.block_expert[:k].clone()))
+    for a, b in zip(*seen):
+        assert torch.equal(a, b), name
+    y, ids, weights = seen[0][:3]
+    if ties:
+        assert ids[0, : moe.routing.top_k].tolist() == list(range(moe.routing.top_k))
+    assert rel(y, reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
