@@ -316,6 +316,9 @@ EARLY_PROLOGUE_LOADS = True
 # writes the routes and releases the block table, and the down GEMMs await it (awaits_block_expert): no route CTA
 # waits for the others' logits to run the top-k (the trace, M=1 on an H100: logits stored 2.24-2.37 us, the top-k
 # done 4.10, the route's end 4.22; with this, the route's end 2.40 and gate/up's prologue 5.98 -> 4.93 median).
+# H100, E=128 top-8 2048x768 K=4 mcg, layer graph, three rounds, y and routes bit-identical, us: M=1 21.80 -> 21.00
+# (21.72 -> 21.07 in an earlier call); with the down GEMMs choosing too 21.62 -> 21.74, and with every warp of both
+# choosing 21.81 -> 24.63 (docs/perf.md, seventy-first session).
 ROUTE_IN_GEMMS = True
 
 
