@@ -182,8 +182,8 @@ class MoEGemmConfig:
     # and ranks, and releases block_expert (which that route kernel set to -1), as the route kernel does.
     writes_routes: bool = False
     # Down with ``topk_sum`` behind those: the CTA reads its block's expert with acquire loads until that gate/up
-    # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that its
-    # weight copies still go out before its PDL wait.
+    # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that with
+    # ``weights_before_wait`` its weight copies still go out before its PDL wait.
     awaits_block_expert: bool = False
 
     def __post_init__(self):
@@ -202,8 +202,8 @@ class MoEGemmConfig:
             raise ValueError("route is for the one-token gate/up GEMM (a row of x) behind logits_only")
         if self.writes_routes and self.route is None:
             raise ValueError("writes_routes is for the gate/up GEMM that chooses its route")
-        if self.awaits_block_expert and (self.topk_sum is None or not self.weights_before_wait):
-            raise ValueError("awaits_block_expert is for the one-token down GEMM with its weights before its wait")
+        if self.awaits_block_expert and self.topk_sum is None:
+            raise ValueError("awaits_block_expert is for the one-token down GEMM (the fused top-k sum)")
         if self.smem_pad % 16 or self.smem_pad < 0:
             raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
         if self.gating != SILU_GATING and not self.intermediate_splits:

@@ -95,8 +95,8 @@ class MoERouteConfig:
     # prefix sum and CTA barriers: 0.93 us of the route's 5.1 at M=1 on an H100, exl3tool.bench.trace). Only the
     # one-token GEMMs read the blocks then, by expert (moe_gemm's prologue), never expert_row nor padding rows.
     slot_blocks: bool = False
-    # One token with slot blocks: this kernel only writes the logits; each GEMM CTA chooses the token's routes itself
-    # (``choose``, the same bits) and one gate/up CTA writes them (moe_gemm's ``route``), so that no CTA of this
+    # One token with slot blocks: this kernel only writes the logits; each gate/up CTA chooses the token's routes
+    # itself (``choose``, the same bits) and one of them writes them (moe_gemm's ``route``), so that no CTA of this
     # launch waits for the others (the arrival and the top-k: 1.85 of M=1's 4.22 us here on an H100, bench.trace).
     logits_only: bool = False
 
@@ -526,7 +526,7 @@ class MoERoute:
     def choose(self, rows, mBias: cute.Tensor, lane: Int32):
         """The router's k routes of each token whose fp32 logits start at address ``rows[u]`` (one warp, every
         lane): a list of (ids, weights) in slot order, the weights before ``finish``. The route kernel's top-k and
-        the one-token GEMMs that choose their blocks' experts themselves (moe_gemm's ``route``) both run this."""
+        the one-token gate/up GEMM that chooses its blocks' experts itself (moe_gemm's ``route``) both run this."""
         cfg = self.cfg
         n, k = cfg.num_experts, cfg.top_k
         expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]

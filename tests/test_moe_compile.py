@@ -847,7 +847,8 @@ def test_one_token_gemms_choose_their_routes(name):
     """moe_configs.ROUTE_IN_GEMMS at one token: the route kernel (MoERouteConfig.logits_only) compiles (sm_120a,
     sm_90a) to the logits alone, with no arrival atomic and no top-k (redux.sync); each group's gate/up GEMM
     (MoEGemmConfig.route) with the selection's redux.sync, which it has none of without it, the first one releasing
-    the block table; each down GEMM (awaits_block_expert) with acquire loads of it instead."""
+    the block table; each down GEMM (awaits_block_expert) with acquire loads of it instead, also where it waits for
+    gate/up before its weight copies."""
     from test_moe_configs import LAYERS, MODELS
 
     c = moe_configs.step_configs({**LAYERS, **MODELS}[name], 1, False, "sm_90a", 132, "float16", "float16")
@@ -863,6 +864,8 @@ def test_one_token_gemms_choose_their_routes(name):
         assert (chooses.count("st.release.gpu") > 0) == (i == 0) and reads.count("st.release.gpu") == 0
         awaits, reads = ptx_of(g.down), ptx_of(dataclasses.replace(g.down, awaits_block_expert=False))
         assert awaits.count("ld.acquire.gpu") > reads.count("ld.acquire.gpu") and awaits.count("redux.sync") == 0
+        late = ptx_of(dataclasses.replace(g.down, weights_before_wait=False))  # EARLY_DOWN_WEIGHTS off: waits first
+        assert late.count("ld.acquire.gpu") == awaits.count("ld.acquire.gpu")
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])

@@ -453,6 +453,10 @@ def test_routes_chosen_in_the_gemms_at_one_token_with_slot_blocks(monkeypatch):
     for c in (plan(1, given=True), plan(2)):
         assert not c.route.logits_only
         assert all(g.gate_up.route is None and not g.down.awaits_block_expert for g in c.groups)
+    with monkeypatch.context() as patch:  # down waits first, then reads the table
+        patch.setattr(moe_configs, "EARLY_DOWN_WEIGHTS", False)
+        down = plan(1).groups[0].down
+        assert down.awaits_block_expert and not down.weights_before_wait
     monkeypatch.setattr(moe_configs, "ROUTE_IN_GEMMS", False)
     c = plan(1)
     assert c.route.slot_blocks and not c.route.logits_only and c.groups[0].gate_up.route is None
