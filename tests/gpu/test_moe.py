@@ -648,10 +648,11 @@ def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
 def test_routes_chosen_in_the_gemms_change_no_bit(synthetic, name, ties, monkeypatch):
     """moe_configs.ROUTE_IN_GEMMS: at one token the route kernel writes only the logits, every gate/up CTA chooses
     its block's expert itself (MoERouteConfig.logits_only, MoEGemmConfig.route), the first group's gate/up writes the
-    routes and the down GEMMs await the block table it releases (awaits_block_expert): the routes (ids, weights, ranks, block_expert) and y are bit-identical to the route kernel's
-    top-k, eagerly (twice) and in graph replay, and y within MAX_REL of the reference (softmax, grouped sigmoid with
-    correction bias and scale, a logit bias, shared experts gated, two groups). ``ties``: the routed experts' router
-    rows zeroed, so that every logit ties and the selection takes its exact search (experts 0 .. k-1)."""
+    routes and the down GEMMs await the block table it releases (awaits_block_expert): the routes (ids, weights,
+    ranks, block_expert) and y are bit-identical to the route kernel's top-k, eagerly (twice) and in graph replay,
+    and y within MAX_REL of the reference (softmax, grouped sigmoid with correction bias and scale, a logit bias,
+    shared experts gated, two groups, 512 experts). ``ties``: the routed experts' router rows zeroed, so that every
+    logit ties and the selection takes its exact search (experts 0 .. k-1)."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
