@@ -34,11 +34,6 @@ token's routes itself (``MoERoute.choose``) and takes slot ``blk``'s expert; wit
 also writes topk_ids / topk_weights / the ranks and releases ``block_expert``, which the down GEMM's CTAs await
 with acquire loads (``awaits_block_expert``) before their weight copies.
 
-With ``intermediate_input`` (down at M = 1 with ``topk_sum``) the GEMM makes its X2 row itself: after its PDL
-wait each CTA sums gate/up's partials of its K split and gates and rotates them into shared memory while its
-first weight stages load (``moe_rotate.intermediate_into_shared``, the fused tail's values), so gate/up has no
-fused tail: no arrival, no last CTA, no X2 in memory.
-
 With ``skip_padding_tail`` (warpgroup MMAs over 320-row blocks: N = 256 + 64 a k-tile) a block whose row 256 is
 padding (``row_route`` -1; a block's routes are its first rows) runs a second copy of the main loop without the
 N = 64 MMAs, and skips the partials of rows 256 .., which nothing reads.
@@ -79,7 +74,6 @@ from .moe_rotate import (
     TopKSumConfig,
     check_launch_fields,
     group_row_of,
-    intermediate_into_shared,
     intermediate_row,
     topk_sum_block,
 )
@@ -191,11 +185,6 @@ class MoEGemmConfig:
     # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that with
     # ``weights_before_wait`` its weight copies still go out before its PDL wait.
     awaits_block_expert: bool = False
-    # Down at one token (with ``topk_sum``) only: > 0 = the GEMM computes its X2 row itself in its prologue from the
-    # gate/up GEMM's partials (then ``mX``: that launch's P, of this many K splits) and the rotations table, into a
-    # resident row of shared memory (``moe_rotate.intermediate_into_shared``: the fused tail's values, the same
-    # bits), so that gate/up needs no fused intermediate tail (no arrival counter, no last CTA, no X2 in memory).
-    intermediate_input: int = 0
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -217,12 +206,8 @@ class MoEGemmConfig:
             raise ValueError("awaits_block_expert is for the one-token down GEMM (the fused top-k sum)")
         if self.smem_pad % 16 or self.smem_pad < 0:
             raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
-        if self.gating != SILU_GATING and not (self.intermediate_splits or self.intermediate_input):
-            raise ValueError("gating is the fused intermediate's (intermediate_splits or intermediate_input > 0)")
-        if self.intermediate_input and (self.topk_sum is None or self.resident_k_tiles <= 0
-                                        or self.ready_wait or self.group_loops):
-            raise ValueError("intermediate_input is for the one-token down GEMM (the fused top-k sum) with its K "
-                             "split resident (resident_k_tiles)")
+        if self.gating != SILU_GATING and not self.intermediate_splits:
+            raise ValueError("gating is the fused intermediate's (intermediate_splits > 0)")
         if self.input is not None and self.planes != 2:
             raise ValueError("only the gate/up GEMM rotates its own input")
         if self.topk_sum is not None and (self.planes != 1 or self.token_groups != 1 or self.warp_cols != 1
@@ -233,7 +218,7 @@ class MoEGemmConfig:
         if self.early_prologue_loads and (self.input is None or self.resident_rows != 1):
             raise ValueError("early_prologue_loads is for the gate/up GEMM that rotates one row of x itself")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
-            raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged or made by intermediate_input")
+            raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
         if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
@@ -254,16 +239,10 @@ class MoEGemmConfig:
     def mainloop(self) -> GemmConfig:
         return GemmConfig(bits=self.bits, codebook=self.codebook, token_groups=self.token_groups, warps=self.warps,
                           k_tiles_per_stage=self.k_tiles_per_stage, stages=self.stages, warp_cols=self.warp_cols,
-                          input=self.resident_input, resident_k_tiles=self.resident_k_tiles,
-                          resident_rows=self.resident_rows, split_halves=self.split_halves,
-                          x_order=self.resident_order if self.resident_input else self.x_order, mma=self.mma,
+                          input=self.input, resident_k_tiles=self.resident_k_tiles, resident_rows=self.resident_rows,
+                          split_halves=self.split_halves,
+                          x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma,
                           mbarriers=self.mbarriers, rolled=self.rolled)
-
-    @property
-    def resident_input(self) -> str | None:
-        """The main loop's resident row (GemmConfig.input): x's dtype where the GEMM rotates x, fp16 where it
-        computes X2 itself (``intermediate_input``), else None (X staged)."""
-        return "float16" if self.intermediate_input else self.input
 
     @property
     def resident_order(self) -> str:
@@ -332,22 +311,19 @@ class MoEGemm(DecodeGemmKernel):
         mBias,
         stream: cuda.CUstream,
     ):
-        """mRot .. inter_true: None (and 0) without the fused intermediate (with ``intermediate_input``: mRot and
-        inter_true, mX2 None, and mX is the gate/up GEMM's P ``[splits, rows, 2*I_p]``); mGateSuh, mUpSuh: None
-        unless the GEMM rotates its own input (then mX is x itself ``[M, hidden]``); mSvh .. mY: None without the
-        fused top-k sum (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None;
-        mRank: the route ranks with resident rows, else None. mCounter: the fused intermediate's arrival counters
-        (one per route block and 128 columns) and the blocks' ready counters after them, else None; mSumCounter: the
-        fused top-k sum's (one per 128 columns), else None. mLogits ``[1, E_r]`` fp32, mBias (the router's bias, or any
+        """mRot .. inter_true: None (and 0) without the fused intermediate; mGateSuh, mUpSuh: None unless the GEMM
+        rotates its own input (then mX is x itself ``[M, hidden]``); mSvh .. mY: None without the fused top-k sum
+        (``TopKSum``'s down_svh, svh_row, topk_weights, y); mIds, mRouteRow: for either, else None; mRank: the
+        route ranks with resident rows, else None. mCounter: the fused intermediate's arrival counters (one per
+        route block and 128 columns) and the blocks' ready counters after them, else None; mSumCounter: the fused
+        top-k sum's (one per 128 columns), else None. mLogits ``[1, E_r]`` fp32, mBias (the router's bias, or any
         fp32 tensor): with ``route``, else None; mWeights and mRank also where the GEMM writes the routes."""
         if cutlass.const_expr(mRowRoute is None):
             mRowRoute = mBlockExpert  # never touched
         if cutlass.const_expr(mCounter is None):
             mCounter = mP  # never touched: no fused tail
         if cutlass.const_expr(mRot is None):
-            mRot = mP  # never touched: no intermediate
-        if cutlass.const_expr(mX2 is None):
-            mX2 = mP  # never touched: no fused intermediate tail
+            mRot, mX2 = mP, mP  # never touched: no fused intermediate
         if cutlass.const_expr(mGateSuh is None):
             mGateSuh, mUpSuh = mP, mP  # never touched: no prologue
         if cutlass.const_expr(mIds is None):
@@ -489,26 +465,11 @@ class MoEGemm(DecodeGemmKernel):
                     if mIds[0, tid] == expert:  # this block's one route: slot tid of token 0
                         mRouteRow[tid] = tok0
                         mRowRoute[tok0] = tid
-                # every MMA column is the one token: its row alone (store_resident_row's stores, spelled out: the
-                # helper's form moved ptxas's sm_90a schedule of some of these kernels)
+                # every MMA column is the one token: its row alone
                 if lane % 4 == 0:
                     col = plane * n_col_tiles * 16 + (col_tile0 + warp) * 16 + lane // 4
                     mP[split, tok0, col] = acc[0].to(mP.element_type)
                     mP[split, tok0, col + 8] = acc[2].to(mP.element_type)
-            elif cutlass.const_expr(cfg.intermediate_input > 0):
-                wait = None
-                if cutlass.const_expr(cfg.weights_before_wait):
-                    stamp = lambda: ptx.trace_stamp(region, ptx.TRACE_WAITED)  # noqa: E731
-                    wait = lambda: (ptx.wait_for_prior_kernels(), stamp())  # noqa: E731
-
-                def prologue(sX):  # noqa: E306 (after the wait: gate/up's partials, while W loads)
-                    intermediate_into_shared(mX, mRot, sX, tok0, p, k_begin, n_blocks, rounds, cfg.resident_order,
-                                             warp, cfg.warps, lane, inter_true, cfg.intermediate_input, cfg.gating)
-                    ptx.trace_stamp(region, ptx.TRACE_PROLOGUE)
-                decode_mma_loop(main, self.plan, acc, sW, sX, sDec, w_base, Int64(0), Int32(0), n_col_tiles,
-                                col_tile0, tok0, Int32(1), k_begin, n_chunks, prologue, wait=wait)
-                if lane % 4 == 0:
-                    store_resident_row(mP, acc, split, (col_tile0 + warp) * 16, tok0, lane)
             else:
                 rows = mX.shape[1]
                 x_base = mX.iterator.toint() + Int64(plane) * rows * mX.shape[2] * 4
@@ -717,15 +678,6 @@ def block_ready_counter(mCounter, mBlockExpert, n_ib, blk):
     """Address of route block ``blk``'s ready counter (``ready_signal`` / ``ready_wait``): after the fused
     intermediate's ``blocks * n_ib`` arrival counters. Traced inline."""
     return mCounter.iterator.toint() + (Int64(mBlockExpert.shape[0]) * n_ib + blk) * 4
-
-
-def store_resident_row(mP, acc, split, col0, tok0, lane):
-    """P's row ``tok0`` of a warp's 16 columns from ``col0`` after a main loop over one resident row: every MMA
-    column is that row, so lane quad g's first lane (the caller's ``lane % 4 == 0``) stores columns g and g + 8.
-    Traced inline."""
-    col = col0 + lane // 4
-    mP[split, tok0, col] = acc[0].to(mP.element_type)
-    mP[split, tok0, col + 8] = acc[2].to(mP.element_type)
 
 
 def store_partials(mP, acc, groups, split, col0, col_tile0, tok0, lane):

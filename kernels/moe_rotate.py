@@ -41,10 +41,8 @@ from .rotate import (
     load4,
     load_row,
     one_access,
-    prologue_column,
     row_values,
     store4,
-    store_block_into_shared,
     store_x_values,
 )
 
@@ -446,58 +444,29 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
     loaded = []
     for j in range(0, blocks, 1 if row_pair else n // 4):
         col0 = lane_column(block + j + (0 if row_pair else lane // lanes), lane, n)
-        loaded.append(intermediate_loads(mP, mRot, inter_p, row, p, col0, splits, n, gating.planes))
+        # gate svh, up svh, down suh (, gate bias, up bias)
+        scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(gating.planes)]
+        parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
+        loaded.append((col0, scales, parts))
+    fold = gating.folds_scale
     for col0, scales, parts in loaded:
-        v = intermediate_values(scales, parts, col0, lane, inter_true, gating)
+        gate_svh, up_svh, down_suh = scales[:3]
+        gate_h = hadamard128(sum_parts(parts[0]), lane)
+        # silu(g) * u: up takes both orthonormal scales of H128 (1/128, exact) and the last rotation none
+        up_h = hadamard128(sum_parts(parts[1]), lane, 1.0 / 128 if fold else INV_SQRT_128)
+        h = [Float32(0.0)] * n
+        for i in range(n):
+            g = gate_h[i] * gate_svh[i]
+            u = up_h[i] * up_svh[i]
+            if gating.biased:
+                g, u = g + scales[3][i], u + scales[4][i]
+            hi = gate(g, u, gating) * down_suh[i]
+            h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
+        v = hadamard128(h, lane, None if fold else INV_SQRT_128)
         if live is None:
             store_x_values(mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
         else:
             store_x_values_where(live, mX2.iterator.toint(), row, mX2.shape[0], inter_p, col0, v, x_order)
-
-
-def intermediate_loads(mP, mRot, inter_p, row, p, col0, splits: int, n: int, planes: int):
-    """(col0, scales, parts): a lane's loads for ``n`` columns from ``col0`` of the intermediate (``inter_p`` wide) of
-    packed row ``row``, group row ``p``: the rotations table's ``planes`` scales (gate svh, up svh, down suh, and
-    the biases: ``Gating.planes``) and every split's gate and up partials, not yet used (issued together before any
-    butterfly)."""
-    scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(planes)]
-    parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
-    return col0, scales, parts
-
-
-def intermediate_values(scales, parts, col0, lane, inter_true, gating: Gating):
-    """X2's values (rotated, not yet rounded to fp16) of a lane's columns from ``col0`` (``intermediate_loads``):
-    ``H128(gate(H128(gate) * gate_svh, H128(up) * up_svh) * down_suh)``, zero past ``inter_true``."""
-    n = len(scales[0])
-    fold = gating.folds_scale
-    gate_svh, up_svh, down_suh = scales[:3]
-    gate_h = hadamard128(sum_parts(parts[0]), lane)
-    # silu(g) * u: up takes both orthonormal scales of H128 (1/128, exact) and the last rotation none
-    up_h = hadamard128(sum_parts(parts[1]), lane, 1.0 / 128 if fold else INV_SQRT_128)
-    h = [Float32(0.0)] * n
-    for i in range(n):
-        g = gate_h[i] * gate_svh[i]
-        u = up_h[i] * up_svh[i]
-        if gating.biased:
-            g, u = g + scales[3][i], u + scales[4][i]
-        hi = gate(g, u, gating) * down_suh[i]
-        h[i] = cutlass.select_(col0 + i < inter_true, hi, Float32(0.0))
-    return hadamard128(h, lane, None if fold else INV_SQRT_128)
-
-
-def intermediate_into_shared(mP, mRot, sX, row, p, k_begin, n_blocks, rounds: int, x_order: str, warp, warps: int,
-                             lane, inter_true, splits: int, gating: Gating):
-    """The one-token down GEMM's prologue (``MoEGemmConfig.intermediate_input``): ``sX`` = its X2 row over the
-    128-blocks ``k_begin*16 + 128*b``, b < ``n_blocks``, block b by warp ``b % warps``, from the gate/up GEMM's
-    partials ``mP`` (row ``row``) and the rotations table (group row ``p``): ``intermediate_row``'s values, so the
-    same fp16 bits its X2 would hold, in the main loop's column order. Every round's loads are issued first."""
-    inter_p = mRot.shape[1] // gating.planes
-    loaded = [intermediate_loads(mP, mRot, inter_p, row, p, prologue_column(k_begin, n_blocks, r, warp, warps, lane),
-                                 splits, 4, gating.planes) for r in range(rounds)]
-    for r in range(rounds):
-        col0, scales, parts = loaded[r]
-        store_block_into_shared(intermediate_values(scales, parts, col0, lane, inter_true, gating), sX,
-                                warp + r * warps, n_blocks, x_order, lane, Int32(0))
 
 
 @cute.jit

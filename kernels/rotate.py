@@ -282,23 +282,17 @@ def rotate_scaled_into_shared(scaled, sX: cute.Tensor, n_blocks: Int32, x_order:
     """The butterflies of each round's scaled values (``scaled_values``) and their stores into ``sX`` (as
     ``rotate_into_shared``)."""
     for r in cutlass.range_constexpr(len(scaled)):
-        store_block_into_shared(hadamard128(scaled[r], lane), sX, warp + r * warps, n_blocks, x_order, lane, s_word0)
-
-
-@cute.jit
-def store_block_into_shared(v, sX: cute.Tensor, b: Int32, n_blocks: Int32, x_order: cutlass.Constexpr, lane: Int32,
-                            s_word0: Int32):
-    """A lane's four rotated values (columns ``4*lane ..``) of 128-block ``b`` of a resident row into ``sX`` as
-    fp16 in the main loop's column order, where ``b < n_blocks`` (the M = 1 prologues' last round may hold a
-    block past the range: never stored)."""
-    if b < n_blocks:
-        e0 = b * 128 + 4 * lane
-        if cutlass.const_expr(x_order == "doubled"):
-            for i in cutlass.range_constexpr(4):
-                sX[s_word0 + x_doubled_word(e0 + i)] = ptx.pack_f32x2(v[i], v[i], "float16")
-        else:
-            for h in cutlass.range_constexpr(2):
-                sX[s_word0 + x_pair_word(e0 + 2 * h, x_order)] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1], "float16")
+        v = hadamard128(scaled[r], lane)
+        b = warp + r * warps
+        if b < n_blocks:
+            e0 = b * 128 + 4 * lane
+            if cutlass.const_expr(x_order == "doubled"):
+                for i in cutlass.range_constexpr(4):
+                    sX[s_word0 + x_doubled_word(e0 + i)] = ptx.pack_f32x2(v[i], v[i], "float16")
+            else:
+                for h in cutlass.range_constexpr(2):
+                    sX[s_word0 + x_pair_word(e0 + 2 * h, x_order)] = ptx.pack_f32x2(v[2 * h], v[2 * h + 1],
+                                                                                    "float16")
 
 
 @cute.jit

@@ -22,8 +22,6 @@ from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_early_next, assert_waits_bef
 pytestmark = pytest.mark.compile
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 ARRIVAL = "atom.acq_rel.gpu.global.add.u32"  # ptx.count_in: the last CTA found by one acq_rel atomic, no fences
-PARTIAL_LOAD = "ld.global.cg.v4.f32"  # four fp32 partials (moe_rotate.split_values)
-COPY = "cp.async.cg.shared.global"
 CASES = [(b, cb) for b in SUPPORTED_BITS for cb in CODEBOOKS if b == int(b) or cb == "mul1"]
 
 
@@ -914,29 +912,3 @@ def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     for bad in (dict(input=None, resident_k_tiles=0), dict(resident_rows=2)):
         with pytest.raises(ValueError, match="early_prologue_loads"):
             dataclasses.replace(resident, early_prologue_loads=True, **bad)
-
-
-@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "gpt-oss-20b"])
-def test_one_token_down_gemm_makes_its_x2_row(name, monkeypatch):
-    """moe_configs.DOWN_INTERMEDIATE at one token (sm_120a, sm_90a): the gate/up GEMM compiles without its fused tail
-    (no arrival atomic, no partial loads, no SiLU), each down GEMM with the intermediate's partial loads (two planes
-    a K split of gate/up), its shared-memory stores, and no X copies: only its weights' (half of them, where the
-    weights and X took one each)."""
-    from test_moe_configs import LAYERS, MODELS
-
-    def plan():
-        return moe_configs.step_configs({**LAYERS, **MODELS}[name], 1, False, "sm_90a", 132, "float16", "float16")
-
-    off = plan()
-    monkeypatch.setattr(moe_configs, "DOWN_INTERMEDIATE", True)
-    on = plan()
-    splits = on.shape.splits13
-    for arch in ("sm_120a", "sm_90a"):
-        for g_on, g_off in zip(on.groups, off.groups):
-            up_on, up_off = ptx_of(g_on.gate_up, arch), ptx_of(g_off.gate_up, arch)
-            assert up_on.count(ARRIVAL) == 0 < up_off.count(ARRIVAL)
-            assert up_on.count(PARTIAL_LOAD) == 0 < up_off.count(PARTIAL_LOAD) == 2 * splits
-            down_on, down_off = ptx_of(g_on.down, arch), ptx_of(g_off.down, arch)
-            assert down_on.count(PARTIAL_LOAD) - down_off.count(PARTIAL_LOAD) == 2 * splits
-            assert 2 * down_on.count(COPY) == down_off.count(COPY) > 0
-            assert down_on.count(MMA) == down_off.count(MMA) > 0

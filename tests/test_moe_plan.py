@@ -519,31 +519,3 @@ def test_splits_in_x_only_where_a_gemm_has_several_k_splits(monkeypatch):
     monkeypatch.setattr(moe_configs, "SPLITS_IN_X_TOKENS", (2, 16))
     monkeypatch.setattr(moe_configs, "CTAS_PER_SM", 16)
     assert flags(2)[0][1] and flags(16) == ((2, True), (2, True))
-
-
-def test_down_gemm_makes_its_x2_row_at_one_token(monkeypatch):
-    """moe_configs.DOWN_INTERMEDIATE: at one token with the router's routes (gate/up rotating x, the fused top-k sum)
-    each down GEMM computes its X2 row from gate/up's partials (MoEGemmConfig.intermediate_input = gate/up's K
-    splits, with the group's gating and its K split resident) and gate/up has no fused tail; off (the default, until
-    measured), for the caller's routes and from two tokens nothing changes; the config refuses it elsewhere."""
-    def plan(m, given=False, **layer):
-        return moe_configs.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16")
-
-    base = plan(1)
-    assert all(g.gate_up.intermediate_splits and not g.down.intermediate_input for g in base.groups)
-    monkeypatch.setattr(moe_configs, "DOWN_INTERMEDIATE", True)
-    for layer in ({}, {"shared": "gated"}):
-        c = plan(1, **layer)
-        for g in c.groups:
-            assert g.gate_up.intermediate_splits == 0 and g.down.intermediate_input == c.shape.splits13
-            assert g.down.resident_k_tiles == g.per2 and g.down.mainloop.input == "float16"
-            assert g.down.weights_before_wait and g.gate_up.next_after_loop
-        assert c.shape.fused_intermediate and all(g.intermediate is None for g in c.groups)
-    assert plan(1).groups[0].down.smem_pad != base.groups[0].down.smem_pad  # the pad follows its shared memory
-    for c in (plan(1, given=True), plan(2)):
-        assert all(not g.down.intermediate_input for g in c.groups)
-    down = base.groups[0].down
-    with pytest.raises(ValueError, match="intermediate_input"):
-        dataclasses.replace(down, intermediate_input=4)  # no resident K split
-    with pytest.raises(ValueError, match="intermediate_input"):
-        dataclasses.replace(down, topk_sum=None, awaits_block_expert=False, intermediate_input=4, resident_k_tiles=16)

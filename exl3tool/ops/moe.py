@@ -335,7 +335,7 @@ class MoEPlan:
             # launch_gemm's arguments: x (X_ARG: the call's own x) or the rotated X, the fused intermediate's tail
             # (row_route also when the GEMM reads or writes it), the prologue's suh rows and route indices
             tail = (None, None, row_route if g13.takes_row_route else None, None, 0)
-            if g13.intermediate_splits:
+            if s.fused_intermediate:
                 # the (block, 128 columns of I) arrival counters, then with ready_counters one per block
                 _, counter = counters.views(d.device, ((col_blocks,), torch.int32),
                                             ((s.blocks * (i_p // 128 + s.ready_counters),), torch.int32))
@@ -357,9 +357,6 @@ class MoEPlan:
                                        g.intermediate, s.block_rows)))
             down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, gc.per2,
                     None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
-            if g2.intermediate_input:  # gate/up's P for X, the rotations table, the true intermediate size
-                down = (p13, g.w2, p2, block_expert, g.group_row, gc.per2, g.rotations, None, None, None,
-                        g.intermediate)
             if g2.topk_sum is not None:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters
                 down += (None, None, ids, route_row, None, d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))

@@ -324,13 +324,6 @@ ROUTE_IN_GEMMS = True
 # warp sums (MoERouteConfig.logit_slices, the same bits). Built on the CPU and off until measured (s71: no device
 # time left): s61's slices pulled the logits in 1.55 us against 2.25, where the route's last CTA then summed them.
 ROUTE_LOGIT_SLICES = False
-# At one token the down GEMM computes its X2 row itself after its PDL wait, from gate/up's partials
-# (MoEGemmConfig.intermediate_input), instead of gate/up's fused tail (the arrival counter, then the last CTA of each
-# 128 columns of I): the trace (M=1, H100) put gate/up's arrival at 0.83 us median after its partials and its last
-# CTAs' tail at 1.2 more (the grid's end 13.44 against its last loop's 11.65). Every down CTA reads its K split's
-# partials (4 splits x 2 planes x 256 columns, fp32: 8 KB) where the tail read them once. The same bits. Built on the
-# CPU, off until measured.
-DOWN_INTERMEDIATE = False
 
 
 @dataclass(frozen=True)
@@ -702,10 +695,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
-        if DOWN_INTERMEDIATE and g13.input is not None and g13.resident_rows == 1 and g13.intermediate_splits \
-                and g13.partials == "float32" and g2.topk_sum is not None and g2.mainloop.takes_input(per2):
-            g13 = replace(g13, intermediate_splits=0, gating=SILU_GATING, tail_row_pairs=False)
-            g2 = replace(g2, intermediate_input=s.splits13, gating=g.gating, resident_k_tiles=per2)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks

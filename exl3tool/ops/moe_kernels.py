@@ -47,8 +47,6 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     words = int(16 * cfg.bits) // 2
     x = fake_tensor(I32, cfg.planes, rows, None)
     suh, routes, topk = [None] * 2, [None] * 3, [None] * 4
-    if cfg.intermediate_input:  # the gate/up GEMM's P (the prologue's X2 comes from it)
-        x = fake_tensor(F32, cfg.intermediate_input, rows, None)
     if cfg.input is not None:  # x itself; gate and up suh
         x = fake_tensor(DTYPES[cfg.input], cfg.resident_rows, None, align=2)
         suh = [fake_tensor(F16, None, None), fake_tensor(F16, None, None)]
@@ -69,8 +67,6 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
     inter = [None] * 2
     if cfg.intermediate_splits:  # rotations, X2
         inter = [fake_tensor(F16, None, None), fake_tensor(F16, rows, None)]
-    elif cfg.intermediate_input:  # rotations
-        inter = [fake_tensor(F16, None, None), None]
     row_route = fake_tensor(I32, rows) if cfg.takes_row_route else None
     counter = fake_tensor(I32, None) if cfg.intermediate_splits or cfg.ready_wait else None
     sum_counter = fake_tensor(I32, None) if cfg.topk_sum is not None else None

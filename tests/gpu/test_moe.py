@@ -680,26 +680,6 @@ def test_route_logit_slices_change_no_bit(synthetic, name, monkeypatch):
                                    {"ROUTE_LOGIT_SLICES": False}, check)
 
 
-@pytest.mark.parametrize("name,extra", [("qwen3-30b-shape-k4-mcg", {}),
-                                        ("qwen3-30b-shape-k4-mcg", {"EARLY_DOWN_WEIGHTS": False}),
-                                        ("qwen3-30b-shape-k4-mcg", {"ROUTE_IN_GEMMS": False}), ("two-groups-k3-k5", {}),
-                                        ("k3.5-mul1-shared-gated", {}), ("gpt-oss-biased-swiglu", {})])
-def test_down_intermediate_changes_no_bit(synthetic, name, extra, monkeypatch):
-    """moe_configs.DOWN_INTERMEDIATE: at one token each down GEMM computes its X2 row from gate/up's partials after
-    its wait (MoEGemmConfig.intermediate_input) and gate/up has no fused tail: the routes and y bit-identical to
-    gate/up's fused intermediate, eagerly (twice) and in graph replay, y within MAX_REL of the reference (one group
-    or two, a gated shared expert, gpt-oss's biased clamped SwiGLU; down's weights before or after its wait; the
-    routes chosen in gate/up or by the route kernel)."""
-    def check(on, made, configs):
-        gate_ups, downs = [c for c in made if c.planes == 2], [c for c in made if c.planes == 1]
-        assert [c.intermediate_splits == 0 for c in gate_ups] == [on] * len(gate_ups), name
-        assert [c.intermediate_input for c in downs] == [configs.shape.splits13 if on else 0] * len(downs), name
-        assert all(c.weights_before_wait == extra.get("EARLY_DOWN_WEIGHTS", True) for c in downs), name
-
-    one_token_routes_change_no_bit(monkeypatch, synthetic, name, {"DOWN_INTERMEDIATE": True, **extra},
-                                   {"DOWN_INTERMEDIATE": False, **extra}, check)
-
-
 def one_token_routes_change_no_bit(monkeypatch, synthetic, name, on, off, check, ties=False):
     """The layer at one token under moe's settings ``on`` then ``off`` (``layer_with``), ``check(is_on, made,
     configs)`` after each: the routes (ids, weights, ranks, block_expert) and y bit-identical between them, y within
