@@ -311,8 +311,9 @@ class MoERoute:
         # the last one, and counts the routes per expert in shared memory (zeroed here, ordered before the top-k
         # by count_in's barrier), then packs straight from those counts.
         single = n_tb == 1
-        for e in cutlass.range(tid, cfg.packed_experts, 32 * cfg.cta_warps):
-            sCount[e] = Int32(0)
+        if cutlass.const_expr(not cfg.logits_only):
+            for e in cutlass.range(tid, cfg.packed_experts, THREADS):
+                sCount[e] = Int32(0)
 
         e0, t0 = chunk * cfg.expert_tile, tb * cfg.token_tile
         if mX.shape[1] % 8 == 0:  # rows 16-byte aligned (a loop of its own: no predicated-off 8-byte copies)
@@ -322,13 +323,9 @@ class MoERoute:
 
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_WAITED)  # (its logits stored)
         if cutlass.const_expr(cfg.logits_only):
-            # -1 until the gate/up GEMM writes (releases) them
-            if cutlass.const_expr(cfg.logit_slices):  # one warp: k' may be 33
-                if (chunk == 0) & (hidden_slice == 0):
-                    for j in cutlass.range(tid, cfg.routes_per_token, 32):
-                        mBlockExpert[j] = Int32(-1)
-            elif (chunk == 0) & (tid < cfg.routes_per_token):
-                mBlockExpert[tid] = Int32(-1)
+            if (chunk == 0) & (hidden_slice == 0):  # the gate/up GEMM writes (releases) them
+                for j in cutlass.range(tid, cfg.routes_per_token, 32 * cfg.cta_warps):
+                    mBlockExpert[j] = Int32(-1)
             ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
             ptx.trace_flags(ptx.TRACE_ROUTE, ptx.TRACE_LIVE)
         else:
