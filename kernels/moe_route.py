@@ -99,11 +99,6 @@ class MoERouteConfig:
     # itself (``choose``, the same bits) and one of them writes them (moe_gemm's ``route``), so that no CTA of this
     # launch waits for the others (the arrival and the top-k: 1.85 of M=1's 4.22 us here on an H100, bench.trace).
     logits_only: bool = False
-    # With logits_only: a one-warp CTA for each router tile and each of the WARPS slices of the hidden dim (warp w's
-    # MMA chain of the full route CTA), which stores its partial tile in logits row w; ``logit`` sums the rows in warp
-    # order, as the full CTA's ``tile_sum`` does (the same bits). More CTAs pulling the router (s61, H100: the logits
-    # 2.25 -> 1.55 us at M=1 in 64 CTAs), with no route CTA summing them.
-    logit_slices: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -122,17 +117,6 @@ class MoERouteConfig:
             raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
         if self.logits_only and not self.slot_blocks:
             raise ValueError("logits_only is for one token with slot_blocks (the GEMMs choose the routes)")
-        if self.logit_slices and not self.logits_only:
-            raise ValueError("logit_slices is for logits_only (the GEMMs sum the slices)")
-
-    @property
-    def slices(self) -> int:
-        """Partial logits rows a token's logits come in (``logit_slices``: a row a warp slice)."""
-        return WARPS if self.logit_slices else 1
-
-    @property
-    def cta_warps(self) -> int:
-        return 1 if self.logit_slices else WARPS
 
     @property
     def chunks(self) -> int:
@@ -177,7 +161,7 @@ class MoERouteConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.cta_warps * self.ring_bytes + self._small_smem_bytes
+        return WARPS * self.ring_bytes + self._small_smem_bytes
 
 
 def tiles_for(tokens: int) -> dict:
@@ -276,11 +260,11 @@ class MoERoute:
         block_rows: Int32,  # T
         stream: cuda.CUstream,
     ):
-        grid = (self.cfg.chunks * self.cfg.slices,
+        grid = (self.cfg.chunks,
                 (mX.shape[0] + self.cfg.token_tile - 1) // self.cfg.token_tile, 1)
         self.kernel(mX, mRouter, mBias, mGivenIds, mGivenW, mLogits, mIds, mW, mRank, mCounters, mCounts,
                     mExpertRow, mBlockExpert, mRowRoute, block_rows).launch(
-            grid=grid, block=(32 * self.cfg.cta_warps, 1, 1), stream=stream, **ptx.pdl_launch())
+            grid=grid, block=(THREADS, 1, 1), stream=stream, **ptx.pdl_launch())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRouter: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor,
@@ -296,13 +280,9 @@ class MoERoute:
         warp = tid // 32
         lane = tid % 32
         tokens = mX.shape[0]
-        hidden_slice = warp  # the warp's slice of the hidden dim, its logits partial summed in warp order
-        if cutlass.const_expr(cfg.logit_slices):  # one warp a CTA: x = router tile x WARPS + slice
-            hidden_slice = chunk % WARPS
-            chunk = chunk // WARPS
 
         smem = SmemAllocator()
-        sRing = smem.allocate_tensor(Float32, cute.make_layout(cfg.cta_warps * cfg.ring_bytes // 4), 16)
+        sRing = smem.allocate_tensor(Float32, cute.make_layout(WARPS * cfg.ring_bytes // 4), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout(WARPS), 16)
         sCount = smem.allocate_tensor(Int32, cute.make_layout(cfg.packed_experts), 16)
@@ -311,21 +291,19 @@ class MoERoute:
         # the last one, and counts the routes per expert in shared memory (zeroed here, ordered before the top-k
         # by count_in's barrier), then packs straight from those counts.
         single = n_tb == 1
-        if cutlass.const_expr(not cfg.logits_only):
-            for e in cutlass.range(tid, cfg.packed_experts, THREADS):
-                sCount[e] = Int32(0)
+        for e in cutlass.range(tid, cfg.packed_experts, THREADS):
+            sCount[e] = Int32(0)
 
         e0, t0 = chunk * cfg.expert_tile, tb * cfg.token_tile
         if mX.shape[1] % 8 == 0:  # rows 16-byte aligned (a loop of its own: no predicated-off 8-byte copies)
-            self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, hidden_slice, lane, tid, True)
+            self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, lane, tid, True)
         else:
-            self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, hidden_slice, lane, tid, False)
+            self.logits(mX, mRouter, mLogits, sRing, e0, t0, warp, lane, tid, False)
 
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_WAITED)  # (its logits stored)
         if cutlass.const_expr(cfg.logits_only):
-            if (chunk == 0) & (hidden_slice == 0):  # the gate/up GEMM writes (releases) them
-                for j in cutlass.range(tid, cfg.routes_per_token, 32 * cfg.cta_warps):
-                    mBlockExpert[j] = Int32(-1)
+            if (chunk == 0) & (tid < cfg.routes_per_token):  # the gate/up GEMM writes (releases) them
+                mBlockExpert[tid] = Int32(-1)
             ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
             ptx.trace_flags(ptx.TRACE_ROUTE, ptx.TRACE_LIVE)
         else:
@@ -371,11 +349,9 @@ class MoERoute:
 
     @cute.jit
     def logits(self, mX: cute.Tensor, mRouter: cute.Tensor, mLogits: cute.Tensor, sRing: cute.Tensor, e0: Int32,
-               t0: Int32, warp: Int32, hidden_slice: Int32, lane: Int32, tid: Int32, wide: cutlass.Constexpr):
+               t0: Int32, warp: Int32, lane: Int32, tid: Int32, wide: cutlass.Constexpr):
         """``logits[t0 .., e0 ..]`` of this CTA's tile: warp w's slice of the hidden dim through its ring as MMAs,
-        then the warps' partial tiles summed in warp order (with ``logit_slices``: the one warp's slice
-        ``hidden_slice``, its partial tile stored in logits row ``hidden_slice``). ``wide``: 16-byte copies, else
-        8-byte ones."""
+        then the warps' partial tiles summed in warp order. ``wide``: 16-byte copies, else 8-byte ones."""
         cfg = self.cfg
         mt_n, nt_n = self.m_tiles, self.n_tiles
         size, stages = cfg.staging
@@ -385,7 +361,7 @@ class MoERoute:
         tokens = mX.shape[0]
         steps = (hidden + 15) // 16
         per_warp = (steps + WARPS - 1) // WARPS
-        s_begin = hidden_slice * per_warp
+        s_begin = warp * per_warp
         s_end = cutlass.min(s_begin + per_warp, steps)
         # the slice in whole groups of 4 steps, the copies of steps past s_end zero-filled
         n_stages = (cutlass.max(s_end - s_begin, 0) + STEP_GROUP - 1) // STEP_GROUP * (STEP_GROUP // size)
@@ -453,25 +429,18 @@ class MoERoute:
                                 wide)
             cute.arch.cp_async_commit_group()
 
+        # Each warp's partial tile goes to its own ring (no copies are pending: every stage issued was waited for).
         tile = mt_n * nt_n * 4
-        if cutlass.const_expr(cfg.logit_slices):  # the one token's partial logits: row hidden_slice
-            for i in cutlass.range_constexpr(tile):
-                expert, tok = self.tile_place(i * 32 + lane, e0, t0)
-                if expert < rows and tok < tokens:
-                    mLogits[hidden_slice, expert] = acc[i]
-        else:
-            # Each warp's partial tile goes to its own ring (no copies are pending: every stage issued was waited
-            # for).
-            ring_words = cfg.ring_bytes // 4
-            cute.arch.sync_warp()
-            for i in cutlass.range_constexpr(tile):
-                sRing[warp * ring_words + i * 32 + lane] = acc[i]
-            cute.arch.sync_threads()
-            for idx in cutlass.range(tid, tile * 32, THREADS):
-                total = self.tile_sum(sRing, idx, ring_words)
-                expert, tok = self.tile_place(idx, e0, t0)
-                if expert < rows and tok < tokens:
-                    mLogits[tok, expert] = total
+        ring_words = cfg.ring_bytes // 4
+        cute.arch.sync_warp()
+        for i in cutlass.range_constexpr(tile):
+            sRing[warp * ring_words + i * 32 + lane] = acc[i]
+        cute.arch.sync_threads()
+        for idx in cutlass.range(tid, tile * 32, THREADS):
+            total = self.tile_sum(sRing, idx, ring_words)
+            expert, tok = self.tile_place(idx, e0, t0)
+            if expert < rows and tok < tokens:
+                mLogits[tok, expert] = total
 
     @cute.jit
     def tile_sum(self, sRing: cute.Tensor, idx: Int32, ring_words: cutlass.Constexpr) -> Float32:
@@ -563,7 +532,7 @@ class MoERoute:
         expert = [Int32(lane + 32 * i) for i in range(self.per_lane)]
         valid = [x < n for x in expert]
         chosen = []
-        logits = [[cutlass.select_(valid[i], self.logit(row, cutlass.min(expert[i], n - 1)), Float32(NEG_INF))
+        logits = [[cutlass.select_(valid[i], ld_cg_f32(row + cutlass.min(expert[i], n - 1) * 4), Float32(NEG_INF))
                    for i in range(self.per_lane)] for row in rows]
         bias = [Float32(0.0)] * self.per_lane
         if cutlass.const_expr(cfg.correction_bias or cfg.logit_bias):
@@ -610,16 +579,7 @@ class MoERoute:
         E of the router) when gated, else 1. Traced inline."""
         if self.cfg.shared != "gated":
             return Float32(1.0)
-        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-self.logit(row, self.cfg.num_experts)))
-
-    def logit(self, row, e):
-        """The fp32 logit of router row ``e`` for the token whose logits start at address ``row``: with
-        ``logit_slices`` its partial rows summed in warp order, as the route CTA's ``tile_sum`` (the same bits).
-        Traced inline."""
-        value = ld_cg_f32(row + e * 4)
-        for s in range(1, self.cfg.slices):
-            value = value + ld_cg_f32(row + (s * self.cfg.router_rows + e) * 4)
-        return value
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-ld_cg_f32(row + self.cfg.num_experts * 4)))
 
     def scores(self, logit, expert, valid, bias):
         """One token's (score, choice, total) of this lane's experts: the selection comes from the choices, the

@@ -868,24 +868,6 @@ def test_one_token_gemms_choose_their_routes(name):
         assert late.count("ld.acquire.gpu") == awaits.count("ld.acquire.gpu")
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
-def test_route_logit_slices_compile_to_one_warp_ctas(name):
-    """MoERouteConfig.logit_slices (moe_configs.ROUTE_LOGIT_SLICES): the route kernel compiles (sm_120a, sm_90a) for
-    one-warp CTAs with no CTA barrier (no partial tiles summed in shared memory) and the same MMAs a CTA as a warp of
-    the whole route CTA; the gate/up GEMM that chooses from its slices loads each logit's eight partials."""
-    from test_moe_configs import LAYERS
-
-    c = moe_configs.step_configs(LAYERS[name], 1, False, "sm_90a", 132, "float16", "float16")
-    sliced = dataclasses.replace(c.route, logit_slices=True)
-    for arch in ("sm_120a", "sm_90a"):
-        one, whole = ptx_of(sliced, arch), ptx_of(c.route, arch)
-        assert one.count("bar.sync") == 0 < whole.count("bar.sync")
-        assert one.count(MMA) == whole.count(MMA) > 0
-    gate_up = c.groups[0].gate_up
-    sums, reads = ptx_of(dataclasses.replace(gate_up, route=sliced)), ptx_of(gate_up)
-    assert sums.count("ld.global.cg.f32") == 8 * reads.count("ld.global.cg.f32") > 0
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     """MoEGemmConfig.early_prologue_loads (the gate/up GEMM that rotates one row of x itself): the prologue's 8-byte

@@ -457,19 +457,11 @@ def test_routes_chosen_in_the_gemms_at_one_token_with_slot_blocks(monkeypatch):
         patch.setattr(moe_configs, "EARLY_DOWN_WEIGHTS", False)
         down = plan(1).groups[0].down
         assert down.awaits_block_expert and not down.weights_before_wait
-    assert not plan(1).route.logit_slices  # ROUTE_LOGIT_SLICES: built, off until measured
-    with monkeypatch.context() as patch:
-        patch.setattr(moe_configs, "ROUTE_LOGIT_SLICES", True)
-        c = plan(1)
-        assert c.route.logit_slices and c.route.slices == 8 and c.groups[0].gate_up.route == c.route
-        assert not plan(2).route.logit_slices
     monkeypatch.setattr(moe_configs, "ROUTE_IN_GEMMS", False)
     c = plan(1)
     assert c.route.slot_blocks and not c.route.logits_only and c.groups[0].gate_up.route is None
     with pytest.raises(ValueError, match="logits_only"):
         MoERouteConfig("softmax_topk", 128, 8, logits_only=True)
-    with pytest.raises(ValueError, match="logit_slices"):
-        MoERouteConfig("softmax_topk", 128, 8, slot_blocks=True, logit_slices=True)
     route = plan(1).route
     gate_up, down = plan(1).groups[0].gate_up, plan(1).groups[0].down
     with pytest.raises(ValueError, match="route is for"):

@@ -38,7 +38,6 @@ from exl3tool.errors import UnsupportedFeatureError
 from exl3tool.format import Codebook
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import GATE_ACTIVATIONS, SILU_GATING, Gating
-from exl3tool.kernels.moe_route import WARPS as ROUTE_WARPS
 from exl3tool.kernels.moe_route import MoERouteConfig
 from exl3tool.kernels.trellis import x_row_halves
 from exl3tool.ops import moe_configs
@@ -251,7 +250,7 @@ class MoEPlan:
         i_p = max(g.intermediate_padded for g in dmoe.groups)
         rows = max(s.rows for s in shapes)
         new = lambda n, dtype: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
-        self.logits = new(max(max_tokens, ROUTE_WARPS) * e_r, torch.float32)  # or one token's slices (logit_slices)
+        self.logits = new(max_tokens * e_r, torch.float32)
         self.ids = new(max_tokens * k, torch.int32)
         self.weights = new(max_tokens * k, torch.float32)
         self.rank = new(max_tokens * k, torch.int32)
@@ -307,8 +306,7 @@ class MoEPlan:
         s = c.shape
         k, e_r, h_p, rows = d.route.routes_per_token, d.route.router_rows, d.hidden_padded, s.rows
         step = _Step(s)
-        logit_rows = c.route.slices if c.route.logit_slices else tokens
-        logits = self.logits[: logit_rows * e_r].view(logit_rows, e_r)
+        logits = self.logits[: tokens * e_r].view(tokens, e_r)
         ids = self.ids[: tokens * k].view(tokens, k)
         weights = self.weights[: tokens * k].view(tokens, k)
         block_expert = self.block_expert[: s.blocks]

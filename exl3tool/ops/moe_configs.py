@@ -320,10 +320,6 @@ EARLY_PROLOGUE_LOADS = True
 # (21.72 -> 21.07 in an earlier call); with the down GEMMs choosing too 21.62 -> 21.74, and with every warp of both
 # choosing 21.81 -> 24.63 (docs/perf.md, seventy-first session).
 ROUTE_IN_GEMMS = True
-# With ROUTE_IN_GEMMS, the route's logits in one-warp CTAs, a slice of the hidden dim each, which gate/up's choosing
-# warp sums (MoERouteConfig.logit_slices, the same bits). Built on the CPU and off until measured (s71: no device
-# time left): s61's slices pulled the logits in 1.55 us against 2.25, where the route's last CTA then summed them.
-ROUTE_LOGIT_SLICES = False
 
 
 @dataclass(frozen=True)
@@ -704,7 +700,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
                                            and g.down.topk_sum is not None for g in groups):
         route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
         if ROUTE_IN_GEMMS:
-            route = replace(route, logits_only=True, logit_slices=ROUTE_LOGIT_SLICES)
+            route = replace(route, logits_only=True)
             groups = [replace(g, gate_up=replace(g.gate_up, route=route, writes_routes=i == 0),
                               down=replace(g.down, awaits_block_expert=True)) for i, g in enumerate(groups)]
     return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)

@@ -35,8 +35,7 @@ def _compile(kernel, args, options: str):
 def build_route(cfg: MoERouteConfig, options: str):
     m, h = cute.sym_int(), cute.sym_int()
     args = [fake_tensor(DTYPES[cfg.x_dtype], m, h), fake_tensor(F16, None, h), fake_tensor(F32, None),
-            fake_tensor(I32, None, None), fake_tensor(F32, None, None),
-            fake_tensor(F32, None if cfg.logit_slices else m, None),  # logit_slices: WARPS partial rows
+            fake_tensor(I32, None, None), fake_tensor(F32, None, None), fake_tensor(F32, m, None),
             fake_tensor(I32, m, None), fake_tensor(F32, m, None), fake_tensor(I32, None), fake_tensor(I32, None),
             fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), fake_tensor(I32, None), 0]
     return _compile(MoERoute(cfg), args, options)
@@ -61,7 +60,7 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
         topk[2] = fake_tensor(F32, 1, None)
     chooser = [None] * 2
     if cfg.route is not None:  # the router's logits and bias
-        chooser = [fake_tensor(F32, cfg.route.slices, None), fake_tensor(F32, None)]
+        chooser = [fake_tensor(F32, 1, None), fake_tensor(F32, None)]
     args = [x, fake_tensor(I32, cfg.planes, None, None, None, words), partials_tensor(cfg, rows),
             fake_tensor(I32, None), fake_tensor(I32, None), 0]
     inter = [None] * 2

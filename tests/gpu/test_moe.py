@@ -653,37 +653,6 @@ def test_routes_chosen_in_the_gemms_change_no_bit(synthetic, name, ties, monkeyp
     and y within MAX_REL of the reference (softmax, grouped sigmoid with correction bias and scale, a logit bias,
     shared experts gated, two groups, 512 experts). ``ties``: the routed experts' router rows zeroed, so that every
     logit ties and the selection takes its exact search (experts 0 .. k-1)."""
-    def check(on, made, configs):
-        assert configs.route.logits_only == on and configs.route.slot_blocks
-        assert [c.route is not None for c in made] == [on, False] * (len(made) // 2), name
-        assert [c.awaits_block_expert for c in made] == [False, on] * (len(made) // 2), name
-        assert [c.writes_routes for c in made] == [on] + [False] * (len(made) - 1), name
-
-    ids, top_k = one_token_routes_change_no_bit(monkeypatch, synthetic, name, {"ROUTE_IN_GEMMS": True},
-                                                {"ROUTE_IN_GEMMS": False}, check, ties)
-    if ties:
-        assert ids[0, :top_k].tolist() == list(range(top_k))
-
-
-@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated", "deepseek-grouped-sigmoid",
-                                  "gpt-oss-biased-swiglu"])
-def test_route_logit_slices_change_no_bit(synthetic, name, monkeypatch):
-    """moe_configs.ROUTE_LOGIT_SLICES: the one-token route kernel in one-warp CTAs, a slice of the hidden dim each
-    (MoERouteConfig.logit_slices), whose partial logits gate/up's choosing warp sums in warp order: the routes and y
-    bit-identical to the whole route CTAs' logits, eagerly (twice) and in graph replay, y within the reference's
-    bound."""
-    def check(on, made, configs):
-        assert configs.route.logits_only and configs.route.logit_slices == on
-        assert all(c.route.logit_slices == on for c in made if c.route is not None), name
-
-    one_token_routes_change_no_bit(monkeypatch, synthetic, name, {"ROUTE_LOGIT_SLICES": True},
-                                   {"ROUTE_LOGIT_SLICES": False}, check)
-
-
-def one_token_routes_change_no_bit(monkeypatch, synthetic, name, on, off, check, ties=False):
-    """The layer at one token under moe's settings ``on`` then ``off`` (``layer_with``), ``check(is_on, made,
-    configs)`` after each: the routes (ids, weights, ranks, block_expert) and y bit-identical between them, y within
-    MAX_REL of the reference; returns (the ids, top_k). ``ties``: the routed experts' router rows zeroed first."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
@@ -692,15 +661,19 @@ def one_token_routes_change_no_bit(monkeypatch, synthetic, name, on, off, check,
     x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
     k = dmoe.route.routes_per_token
     seen = []
-    for settings in (on, off):
-        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, settings)
-        check(settings is on, made, configs)
+    for on in (True, False):
+        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {"ROUTE_IN_GEMMS": on})
+        assert configs.route.logits_only == on and configs.route.slot_blocks
+        assert [c.route is not None for c in made] == [on, False] * (len(made) // 2), name
+        assert [c.awaits_block_expert for c in made] == [False, on] * (len(made) // 2), name
+        assert [c.writes_routes for c in made] == [on] + [False] * (len(made) - 1), name
         seen.append((y, *(t.clone() for t in routes(plan, 1)), plan.rank[:k].clone(), plan.block_expert[:k].clone()))
     for a, b in zip(*seen):
         assert torch.equal(a, b), name
     y, ids, weights = seen[0][:3]
+    if ties:
+        assert ids[0, : moe.routing.top_k].tolist() == list(range(moe.routing.top_k))
     assert rel(y, reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
-    return ids, moe.routing.top_k
 
 
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
