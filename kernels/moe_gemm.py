@@ -130,6 +130,9 @@ class MoEGemmConfig:
     # PDL, for the GEMM before one with ``weights_before_wait``: each CTA lets the next kernel launch once its
     # partials are written (before the fused tail), so that one's CTAs load their weights during that tail.
     next_after_loop: bool = False
+    # As next_after_loop, but right after this kernel's own PDL wait (a gate/up GEMM that waits at its start): the
+    # next kernel's CTAs launch once every CTA here has started and take SM slots as this kernel's CTAs leave them.
+    next_after_wait: bool = False
     # PDL: the CTA reads its route block's expert and issues the weight copies of its first stages before it waits
     # for the kernel before (``mainloop``'s ``wait``). Only where that kernel waited for the route kernel before it
     # let this one launch (it waits first, and triggers no earlier than that): then every kernel that wrote the
@@ -219,6 +222,9 @@ class MoEGemmConfig:
             raise ValueError("early_prologue_loads is for the gate/up GEMM that rotates one row of x itself")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
+        if self.next_after_wait and (self.next_after_loop or self.ready_signal or self.weights_before_wait
+                                     or self.ready_wait):
+            raise ValueError("next_after_wait is for a GEMM that waits at its start, instead of next_after_loop")
         if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
@@ -367,7 +373,7 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):
             ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
             ptx.trace_stamp(region, ptx.TRACE_WAITED)
-        if cutlass.const_expr(cfg.ready_signal and cfg.input is not None):
+        if cutlass.const_expr((cfg.ready_signal and cfg.input is not None) or cfg.next_after_wait):
             ptx.launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()

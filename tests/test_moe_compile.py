@@ -894,3 +894,22 @@ def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     for bad in (dict(input=None, resident_k_tiles=0), dict(resident_rows=2)):
         with pytest.raises(ValueError, match="early_prologue_loads"):
             dataclasses.replace(resident, early_prologue_loads=True, **bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_one_token_gate_up_lets_down_launch_after_its_wait(arch, monkeypatch):
+    """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: the one-token gate/up GEMM compiles with its one launch trigger
+    right behind its PDL wait, before its first MMA; without it the trigger comes after the main loop's MMAs."""
+    from test_moe_configs import LAYERS
+
+    def gate_up():
+        return moe_configs.step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], 1, False, "sm_90a", 132, "float16",
+                                        "float16").groups[0].gate_up
+
+    after_loop = ptx_of(gate_up(), arch)
+    monkeypatch.setattr(moe_configs, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT", True)
+    after_wait = ptx_of(gate_up(), arch)
+    trigger = "griddepcontrol.launch_dependents"
+    assert after_wait.count(trigger) == after_loop.count(trigger) == 1
+    assert after_wait.index("griddepcontrol.wait") < after_wait.index(trigger) < after_wait.index(MMA)
+    assert after_loop.index(trigger) > after_loop.index(MMA)

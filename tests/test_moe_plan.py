@@ -511,3 +511,23 @@ def test_splits_in_x_only_where_a_gemm_has_several_k_splits(monkeypatch):
     monkeypatch.setattr(moe_configs, "SPLITS_IN_X_TOKENS", (2, 16))
     monkeypatch.setattr(moe_configs, "CTAS_PER_SM", 16)
     assert flags(2)[0][1] and flags(16) == ((2, True), (2, True))
+
+
+def test_down_launched_after_gate_ups_wait_at_one_token(monkeypatch):
+    """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: at one token each gate/up GEMM triggers the down GEMM's launch after
+    its own wait (MoEGemmConfig.next_after_wait) instead of after its loops; off (the default, until measured), and
+    from two tokens, nothing changes; the config refuses it beside the other triggers or a later wait."""
+    def plan(m, **layer):
+        return moe_configs.step_configs(moe(**layer), m, False, "sm_90a", 132, "float16", "float16")
+
+    assert all(g.gate_up.next_after_loop and not g.gate_up.next_after_wait for g in plan(1).groups)
+    monkeypatch.setattr(moe_configs, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT", True)
+    for layer in ({}, {"shared": "gated"}):
+        c = plan(1, **layer)
+        assert all(g.gate_up.next_after_wait and not g.gate_up.next_after_loop for g in c.groups)
+        assert all(g.down.weights_before_wait for g in c.groups)
+    assert not any(g.gate_up.next_after_wait for g in plan(2).groups)
+    gate_up = plan(1).groups[0].gate_up
+    for bad in (dict(next_after_loop=True), dict(ready_signal=True)):
+        with pytest.raises(ValueError, match="next_after_wait"):
+            dataclasses.replace(gate_up, **bad)

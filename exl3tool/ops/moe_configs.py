@@ -228,6 +228,11 @@ MIN_CTAS_PER_SM: dict[tuple[int, int], int] = {}
 # 82.4 -> 80.1 / 79.9 / 80.7, M=8 85.6 / 85.5 / 86.3 -> 84.7 / 84.7 / 84.9; M=2, 3 and 5 even. Not kept (another
 # run): the down GEMM's weights before its wait behind the Intermediate launch (M=4 56.8 -> 62.0 / 62.3).
 EARLY_DOWN_WEIGHTS = True
+# At one token the gate/up GEMM (with EARLY_DOWN_WEIGHTS) lets the down GEMM launch right after its own PDL wait
+# (MoEGemmConfig.next_after_wait), not after its loops: the trace (H100) put down's first CTAs' entry at 12.1-12.4
+# us, 0.6 us behind gate/up's last loop, while gate/up's first CTAs left their SMs from 8.7 us. Built, off until
+# measured.
+DOWN_LAUNCH_AFTER_GATE_UP_WAIT = False
 # From this many tokens on, the input rotation lets an mma.sync gate/up GEMM launch right after its own wait
 # (RouteInputRotationConfig.early_next) and that GEMM issues its first weight stages before its PDL wait
 # (weights_before_wait, as the down GEMM above): the blocks' experts come from the route kernel, which finished
@@ -691,6 +696,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
+        if DOWN_LAUNCH_AFTER_GATE_UP_WAIT and tokens == 1 and g13.input is not None and g13.next_after_loop:
+            g13 = replace(g13, next_after_loop=False, next_after_wait=True)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks

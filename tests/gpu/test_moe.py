@@ -628,6 +628,19 @@ def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
+def test_down_launched_after_gate_ups_wait_changes_no_bit(synthetic, name, monkeypatch):
+    """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: at one token each gate/up GEMM lets the down GEMM launch right
+    after its own PDL wait (MoEGemmConfig.next_after_wait), not after its loops: the same kernels' work, so y is
+    bit-identical, eagerly (twice) and in graph replay, and within MAX_REL of the reference, with one expert group or
+    two and the shared expert's."""
+    def check(on, dmoe, made, plan, configs):
+        gate_ups = [c for c in made if c.planes == 2]
+        assert [(c.next_after_wait, c.next_after_loop) for c in gate_ups] == [(on, not on)] * len(dmoe.groups), name
+
+    one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT", check)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe_configs.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
     instead of packing the routes by expert: each block's GEMM work is the same, so y is bit-identical, eagerly
