@@ -22,6 +22,7 @@ from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_early_next, assert_waits_bef
 pytestmark = pytest.mark.compile
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 ARRIVAL = "atom.acq_rel.gpu.global.add.u32"  # ptx.count_in: the last CTA found by one acq_rel atomic, no fences
+COPY = "cp.async.cg.shared.global"  # a 16-byte weight or X copy
 CASES = [(b, cb) for b in SUPPORTED_BITS for cb in CODEBOOKS if b == int(b) or cb == "mul1"]
 
 
@@ -913,3 +914,25 @@ def test_one_token_gate_up_lets_down_launch_after_its_wait(arch, monkeypatch):
     assert after_wait.count(trigger) == after_loop.count(trigger) == 1
     assert after_wait.index("griddepcontrol.wait") < after_wait.index(trigger) < after_wait.index(MMA)
     assert after_loop.index(trigger) > after_loop.index(MMA)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_one_token_down_gemm_at_three_stages_copies_its_whole_split_before_its_wait(arch, monkeypatch):
+    """moe_configs.ONE_TOKEN_DOWN_STAGES 3: the one-token down GEMM issues twice the weight copies before its PDL wait
+    (both chunks of its 16-k-tile K split, against the first one at 2 stages); its main loop unrolled over the three
+    (mainloop.chunk_unroll: 8 k-tiles of MMAs a stage, 48 -> 64 in the PTX)."""
+    from test_moe_configs import LAYERS
+
+    def down():
+        return moe_configs.step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], 1, False, "sm_90a", 132, "float16",
+                                        "float16").groups[0].down
+
+    two = ptx_of(down(), arch)
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_STAGES", 3)
+    three = ptx_of(down(), arch)
+
+    def copies_before_wait(ptx):
+        return ptx[: ptx.index("griddepcontrol.wait")].count(COPY)
+
+    assert copies_before_wait(three) == 2 * copies_before_wait(two) > 0
+    assert (two.count(MMA), three.count(MMA)) == (48, 64)

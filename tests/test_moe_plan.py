@@ -516,7 +516,8 @@ def test_splits_in_x_only_where_a_gemm_has_several_k_splits(monkeypatch):
 def test_down_launched_after_gate_ups_wait_at_one_token(monkeypatch):
     """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: at one token each gate/up GEMM triggers the down GEMM's launch after
     its own wait (MoEGemmConfig.next_after_wait) instead of after its loops; off (the default, until measured), and
-    from two tokens, nothing changes; the config refuses it beside the other triggers or a later wait."""
+    from two tokens, nothing changes; the config refuses it beside the other triggers or a later wait.
+    ONE_TOKEN_DOWN_STAGES: the one-token down GEMM's stages (3: both chunks of its K split before its wait)."""
     def plan(m, **layer):
         return moe_configs.step_configs(moe(**layer), m, False, "sm_90a", 132, "float16", "float16")
 
@@ -527,6 +528,9 @@ def test_down_launched_after_gate_ups_wait_at_one_token(monkeypatch):
         assert all(g.gate_up.next_after_wait and not g.gate_up.next_after_loop for g in c.groups)
         assert all(g.down.weights_before_wait for g in c.groups)
     assert not any(g.gate_up.next_after_wait for g in plan(2).groups)
+    assert [g.down.stages for g in plan(1).groups] == [2]  # ONE_TOKEN_DOWN_STAGES: the layout's until measured
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_STAGES", 3)
+    assert [g.down.stages for g in plan(1).groups] == [3] and [g.down.stages for g in plan(2).groups] == [2]
     gate_up = plan(1).groups[0].gate_up
     for bad in (dict(next_after_loop=True), dict(ready_signal=True)):
         with pytest.raises(ValueError, match="next_after_wait"):

@@ -233,6 +233,10 @@ EARLY_DOWN_WEIGHTS = True
 # us, 0.6 us behind gate/up's last loop, while gate/up's first CTAs left their SMs from 8.7 us. Built, off until
 # measured.
 DOWN_LAUNCH_AFTER_GATE_UP_WAIT = False
+# Stages of the one-token down GEMM (its fused top-k sum; None: the layout's 2): 3 issues both chunks of its K split
+# before its PDL wait (s20, H200, behind the trigger after gate/up's loops: M=1 26.76 -> 27.26); with
+# DOWN_LAUNCH_AFTER_GATE_UP_WAIT its CTAs start earlier. Built, off until measured.
+ONE_TOKEN_DOWN_STAGES: int | None = None
 # From this many tokens on, the input rotation lets an mma.sync gate/up GEMM launch right after its own wait
 # (RouteInputRotationConfig.early_next) and that GEMM issues its first weight stages before its PDL wait
 # (weights_before_wait, as the down GEMM above): the blocks' experts come from the route kernel, which finished
@@ -698,6 +702,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             g2 = replace(g2, topk_sum=topk)
         if DOWN_LAUNCH_AFTER_GATE_UP_WAIT and tokens == 1 and g13.input is not None and g13.next_after_loop:
             g13 = replace(g13, next_after_loop=False, next_after_wait=True)
+        if ONE_TOKEN_DOWN_STAGES and tokens == 1 and g2.topk_sum is not None:
+            g2 = replace(g2, stages=ONE_TOKEN_DOWN_STAGES)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks

@@ -640,6 +640,23 @@ def test_down_launched_after_gate_ups_wait_changes_no_bit(synthetic, name, monke
     one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT", check)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated", "gpt-oss-biased-swiglu"])
+def test_one_token_down_stages_change_no_bit(synthetic, name, monkeypatch):
+    """moe_configs.ONE_TOKEN_DOWN_STAGES 3 (both chunks of a K split issued before the PDL wait), alone and behind
+    DOWN_LAUNCH_AFTER_GATE_UP_WAIT: the down GEMM's same MMAs in the same order, so y is bit-identical to its 2
+    stages', eagerly (twice) and in graph replay."""
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    outs = []
+    for settings in ({}, {"ONE_TOKEN_DOWN_STAGES": 3},
+                     {"ONE_TOKEN_DOWN_STAGES": 3, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT": True}):
+        y, made, _, _ = layer_with(monkeypatch, dmoe, x, settings)
+        assert [c.stages for c in made if c.planes == 1] == [settings.get("ONE_TOKEN_DOWN_STAGES", 2)] * len(
+            dmoe.groups), name
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), name
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe_configs.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
