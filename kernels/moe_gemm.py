@@ -43,11 +43,11 @@ of token groups, and a block runs the first that covers its groups holding route
 the PDL wait), storing only their partials: padding rows cost no MMAs.
 
 With ``weights_before_wait`` (down, behind a gate/up GEMM with ``next_after_loop``: each of its CTAs lets this
-launch go once its partials are written; gate/up from 16 tokens on, behind an input rotation with ``early_next``)
-a CTA reads its block's expert and issues its first weight stage before its PDL wait, and X's after it: the
-weights stream in during the kernel before. That kernel waited for the route kernel before it let this one launch,
-so the block's expert and every kernel before are done. Every CTA waits, also one of an unused block, so that this
-kernel ends after the one before it.
+launch go once its partials are written, or with ``next_after_wait``: right after its own PDL wait; gate/up from 16
+tokens on, behind an input rotation with ``early_next``) a CTA reads its block's expert and issues its first weight
+stage before its PDL wait, and X's after it: the weights stream in during the kernel before. That kernel waited for
+the route kernel before it let this one launch, so the block's expert and every kernel before are done. Every CTA
+waits, also one of an unused block, so that this kernel ends after the one before it.
 
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32 (or fp16)
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
