@@ -65,7 +65,14 @@ from cutlass import Float32, Int32, Int64
 
 from . import ptx
 from .gemm import GemmConfig, check_smem
-from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
+from .mainloop import (
+    WGMMA_MAX_GROUPS,
+    DecodeGemmKernel,
+    acc_groups,
+    allocate_smem,
+    decode_mma_loop,
+    predecoded_words,
+)
 from .moe_route import MoERoute, MoERouteConfig
 from .moe_rotate import (
     PARTIALS_DTYPES,
@@ -188,6 +195,11 @@ class MoEGemmConfig:
     # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that with
     # ``weights_before_wait`` its weight copies still go out before its PDL wait.
     awaits_block_expert: bool = False
+    # With ``weights_before_wait`` (the one-token down GEMM: one token group, a K split of at most ``stages``
+    # chunks, no split halves): every chunk's weights are copied and decoded before the PDL wait, chunk 0's A
+    # fragments into registers and the rest into shared memory (``mainloop.predecoded_mma_loop``); after the wait
+    # only X's copies and the MMAs (the same ones in the same order: the same bits).
+    decode_before_wait: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -229,6 +241,10 @@ class MoEGemmConfig:
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
+        if self.decode_before_wait and not (self.weights_before_wait and self.mma == "sync" and self.warp_cols == 1
+                                            and self.token_groups == 1 and not self.split_halves):
+            raise ValueError("decode_before_wait is for mma.sync GEMMs of one token group with weights_before_wait, "
+                             "without split halves")
         if self.count_out_behind_x and not self.ready_wait:
             raise ValueError("count_out_behind_x is ready_wait's")
         if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
@@ -285,7 +301,12 @@ class MoEGemmConfig:
     @property
     def smem_bytes(self) -> int:
         routes = 4 * self.tokens_per_cta if self.resident_rows > 1 else 0  # sRoute: each row's route
-        return self.mainloop.smem_bytes + 4 * self.extra_term_words + routes + self.smem_pad
+        return self.mainloop.smem_bytes + 4 * (self.extra_term_words + self.predecoded_words) + routes + self.smem_pad
+
+    @property
+    def predecoded_words(self) -> int:
+        """Shared words of the A fragments decoded before the wait (``decode_before_wait``), else 0."""
+        return predecoded_words(self.mainloop) if self.decode_before_wait else 0
 
 
 class MoEGemm(DecodeGemmKernel):
@@ -391,6 +412,8 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(cfg.smem_pad > 0):
             smem.allocate_tensor(Int32, cute.make_layout(cfg.smem_pad // 4), 16)  # held, never touched
         sTerm = sLast  # the fused top-k sum's slot terms: the weight stages, or their own where those are smaller
+        if cutlass.const_expr(cfg.decode_before_wait):  # the main loop's buffer in sDec's place (private decode)
+            sDec = smem.allocate_tensor(Int32, cute.make_layout(cfg.predecoded_words), 16)
         if cutlass.const_expr(cfg.extra_term_words > 0):
             sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)
         elif cutlass.const_expr(cfg.topk_sum is not None):
@@ -510,7 +533,7 @@ class MoEGemm(DecodeGemmKernel):
                     else:
                         decode_mma_loop(*loop_args, WGMMA_MAX_GROUPS, wait)
                 else:
-                    decode_mma_loop(*loop_args, None, wait)
+                    decode_mma_loop(*loop_args, None, wait, decode_before_wait=cfg.decode_before_wait)
                 # P has every row of the block; a skipped tail's rows are left unwritten
                 groups = acc_groups(main, warp)
                 skippable = [cfg.skip_padding_tail and group >= WGMMA_MAX_GROUPS for _, _, group in groups]

@@ -917,22 +917,36 @@ def test_one_token_gate_up_lets_down_launch_after_its_wait(arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_one_token_down_gemm_at_three_stages_copies_its_whole_split_before_its_wait(arch, monkeypatch):
-    """moe_configs.ONE_TOKEN_DOWN_STAGES 3: the one-token down GEMM issues twice the weight copies before its PDL wait
-    (both chunks of its 16-k-tile K split, against the first one at 2 stages); its main loop unrolled over the three
-    (mainloop.chunk_unroll: 8 k-tiles of MMAs a stage, 48 -> 64 in the PTX)."""
+def test_one_token_down_gemm_decodes_its_whole_split_before_its_wait(arch, monkeypatch):
+    """moe_configs.ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT: the one-token down GEMM issues both chunks' weight copies before
+    its PDL wait and its X copies after it; its 16 k-tiles' MMAs all come after the wait. In sm_90a's machine code
+    every decode (HADD2: at least four a lane and k-tile) lies before the wait (ACQBULK), held there by the fragments' stores
+    that never run, and the kernel keeps six CTAs an SM: at most 80 registers, no spills."""
+    from exl3tool import sass
     from test_moe_configs import LAYERS
 
     def down():
-        return moe_configs.step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], 1, False, "sm_90a", 132, "float16",
+        return moe_configs.step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], 1, False, arch, 132, "float16",
                                         "float16").groups[0].down
 
-    two = ptx_of(down(), arch)
-    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_STAGES", 3)
-    three = ptx_of(down(), arch)
-
-    def copies_before_wait(ptx):
-        return ptx[: ptx.index("griddepcontrol.wait")].count(COPY)
-
-    assert copies_before_wait(three) == 2 * copies_before_wait(two) > 0
-    assert (two.count(MMA), three.count(MMA)) == (48, 64)
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_SPLIT_HALVES", False)
+    after = ptx_of(down(), arch)
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT", (arch.rstrip("a"),))
+    cfg = down()
+    assert cfg.decode_before_wait
+    before = ptx_of(cfg, arch)
+    w_copies = weight_copy_count(cfg.mainloop, 32 * cfg.warps)
+    wait = before.index("griddepcontrol.wait")
+    assert before[:wait].count(COPY) == 2 * w_copies and after[: after.index("griddepcontrol.wait")].count(COPY) == (
+        w_copies)
+    main = cfg.mainloop  # a stage's X copies: 16 bytes each of its rows' k-tiles
+    x_copies = -(-cfg.tokens_per_cta * main.x_k_tile_words * main.k_tiles_per_stage // 4 // (32 * cfg.warps))
+    assert before[wait:].count(COPY) == 2 * x_copies and before[:wait].count(MMA) == 0
+    assert before.count(MMA) == 16 and after.count(MMA) == 24  # (after: a loop of two chunks unrolled, and one more)
+    if arch == "sm_90a":
+        k = sass.gemm_report(cfg, arch)
+        ops = [i.opcode for i in k.instructions]
+        acq = ops.index("ACQBULK")
+        assert ops[:acq].count("HADD2") >= 4 * 16 and ops[acq:].count("HADD2") == 0
+        assert all("HMMA" not in o for o in ops[:acq])
+        assert k.registers <= 80 and k.spill_instructions == 0, k.registers

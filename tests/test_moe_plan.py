@@ -513,11 +513,32 @@ def test_splits_in_x_only_where_a_gemm_has_several_k_splits(monkeypatch):
     assert flags(2)[0][1] and flags(16) == ((2, True), (2, True))
 
 
+def test_one_token_down_decodes_before_its_wait_where_listed(monkeypatch):
+    """moe_configs.ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT (archs; none until measured): on a listed arch the one-token down
+    GEMM decodes its K split before its PDL wait, without split halves (its X2 then in rows, as the gate/up GEMM's fused
+    intermediate writes it); other archs and two tokens keep theirs. ONE_TOKEN_DOWN_SPLIT_HALVES off drops the
+    split halves alone (the bit-for-bit base of the decode before the wait)."""
+    def down(m, arch="sm_90a"):
+        g = moe_configs.step_configs(moe(), m, False, arch, 132, "float16", "float16").groups[0]
+        return g.down.decode_before_wait, g.down.split_halves, g.down.x_order, g.gate_up.x2_order
+
+    split, two = (False, True, "doubled", "doubled"), down(2)
+    assert down(1) == down(1, "sm_120a") == split and not two[0]
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT", ("sm_90",))
+    assert down(1) == (True, False, "rows", "rows") and down(1, "sm_120a") == split and down(2) == two
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT", ())
+    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_SPLIT_HALVES", False)
+    assert down(1) == (False, False, "rows", "rows")
+    d = moe_configs.step_configs(moe(), 1, False, "sm_90a", 132, "float16", "float16").groups[0].down
+    for bad in (dict(split_halves=True, x_order="doubled"), dict(weights_before_wait=False)):
+        with pytest.raises(ValueError, match="decode_before_wait"):
+            dataclasses.replace(d, decode_before_wait=True, **bad)
+
+
 def test_down_launched_after_gate_ups_wait_at_one_token(monkeypatch):
     """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: at one token each gate/up GEMM triggers the down GEMM's launch after
     its own wait (MoEGemmConfig.next_after_wait) instead of after its loops; off (the default, until measured), and
-    from two tokens, nothing changes; the config refuses it beside the other triggers or a later wait.
-    ONE_TOKEN_DOWN_STAGES: the one-token down GEMM's stages (3: both chunks of its K split before its wait)."""
+    from two tokens, nothing changes; the config refuses it beside the other triggers or a later wait."""
     def plan(m, **layer):
         return moe_configs.step_configs(moe(**layer), m, False, "sm_90a", 132, "float16", "float16")
 
@@ -528,9 +549,6 @@ def test_down_launched_after_gate_ups_wait_at_one_token(monkeypatch):
         assert all(g.gate_up.next_after_wait and not g.gate_up.next_after_loop for g in c.groups)
         assert all(g.down.weights_before_wait for g in c.groups)
     assert not any(g.gate_up.next_after_wait for g in plan(2).groups)
-    assert [g.down.stages for g in plan(1).groups] == [2]  # ONE_TOKEN_DOWN_STAGES: the layout's until measured
-    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_STAGES", 3)
-    assert [g.down.stages for g in plan(1).groups] == [3] and [g.down.stages for g in plan(2).groups] == [2]
     gate_up = plan(1).groups[0].gate_up
     for bad in (dict(next_after_loop=True), dict(ready_signal=True)):
         with pytest.raises(ValueError, match="next_after_wait"):
