@@ -267,7 +267,6 @@ def decode_mma_loop(
     wait: cutlass.Constexpr = None,
     group_loops: cutlass.Constexpr = None,
     prologue_loads: cutlass.Constexpr = None,
-    decode_before_wait: cutlass.Constexpr = False,
 ):
     """``acc (4*token_groups fp32 registers) += X[tok0:+T, k-range] @ W_hat[k-range, CTA's columns]`` over
     ``n_chunks`` stages of k-tiles from ``k_begin``. ``acc`` must be zeroed by the caller; ``acc_groups`` says
@@ -281,9 +280,7 @@ def decode_mma_loop(
     the token groups that hold routes (1 .. token_groups, at run time), and the main loop is compiled once for each
     of the ascending group ``counts`` (the last: token_groups) and run for the first that covers it.
     ``prologue_loads`` (with ``prologue``): called before any weight copy is issued, its result passed on as
-    ``prologue(sX, loaded)``: the prologue's loads then go out ahead of the weight stages.
-    ``decode_before_wait`` (with ``wait``; mma.sync, private decode, one token group, at most ``stages`` chunks):
-    ``predecoded_mma_loop``, with ``sDec`` its buffer of ``predecoded_words(cfg)``."""
+    ``prologue(sX, loaded)``: the prologue's loads then go out ahead of the weight stages."""
     threads = 32 * cfg.warps
     loaded = prologue_loads() if cutlass.const_expr(prologue_loads is not None) else None
     tid, _, _ = cute.arch.thread_idx()
@@ -298,9 +295,6 @@ def decode_mma_loop(
     wgmma = cfg.mma == "wgmma"
     if cutlass.const_expr(wgmma and cfg.mbarriers):
         mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid, mma_groups)
-        return
-    if cutlass.const_expr(decode_before_wait):
-        predecoded_mma_loop(cfg, plan, acc, sW, sX, sDec, copies, n_chunks, wait, gW_addr, warp, lane)
         return
     if cutlass.const_expr(bulk):  # the stages' full mbarriers: thread 0's arrival and its bulk copies' bytes
         if tid == 0:
@@ -388,78 +382,6 @@ def chunk_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor
             private_decode_mma(cfg, plan, acc, sW, sX, w_stage, x_stage, word_idx, shift, consts, lane, mma_groups)
     if cutlass.const_expr(wgmma):
         ptx.wgmma_wait(0)  # acc is final
-
-
-def predecoded_words(cfg) -> int:
-    """Shared words of ``predecoded_mma_loop``'s buffer: the A fragments (4 words a lane and k-tile) of chunks 1 ..
-    stages - 1 of every warp."""
-    return (cfg.stages - 1) * cfg.k_tiles_per_stage * cfg.warps * 32 * 4
-
-
-def predecoded_address(cfg, pre_addr, st, kk, warp, lane):
-    """Shared byte address of this lane's A fragment (16 bytes) of k-tile ``kk`` of chunk ``st`` >= 1 in
-    ``predecoded_mma_loop``'s buffer. Traced inline."""
-    return pre_addr + ((((st - 1) * cfg.k_tiles_per_stage + kk) * cfg.warps + warp) * 32 + lane) * 16
-
-
-@cute.jit
-def predecoded_mma_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor, sW: cute.Tensor,
-                        sX: cute.Tensor, sPre: cute.Tensor, copies, n_chunks: Int32, wait: cutlass.Constexpr,
-                        gW_addr: Int64, warp: Int32, lane: Int32):
-    """``decode_mma_loop`` for a K split of at most ``stages`` chunks whose weights need nothing of the kernel before
-    (``wait``: its PDL wait): every chunk's weights are copied and decoded before the wait, so that after it only X's
-    copies and the MMAs remain. Chunk 0's A fragments stay in registers, the later chunks' go to ``sPre`` (lane-major,
-    as shared decode stores them: each lane reads back only its own, so no barrier between). The same MMAs in the same
-    order as the chunk loop's: the same bits."""
-    threads = 32 * cfg.warps
-    w_count = weight_copy_count(cfg, threads)
-    for st in cutlass.range_constexpr(cfg.stages):
-        if st < n_chunks:
-            issue_stage(copies[:w_count], st, st)
-    cute.arch.cp_async_commit_group()
-    word_idx, shift = lane_word_indices(plan, lane)
-    consts = codebook_constants(cfg.codebook, ptx)
-    w_lane = warp * plan.words_per_tile
-    pre_addr = sPre.iterator.toint()
-    cute.arch.cp_async_wait_group(0)
-    cute.arch.sync_threads()  # every thread's weight copies landed
-
-    # the later chunks first: their decode's registers are free again before chunk 0's fragments are held
-    for st in cutlass.range_constexpr(1, cfg.stages):
-        if st < n_chunks:
-            for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
-                words = lane_words(cfg, sW, st * cfg.w_stage_words + w_lane, kk, word_idx)
-                a = mma_a_fragment(decode_lane(plan, cfg.codebook, words, shift, ptx, consts))
-                ptx.st_shared_v4(predecoded_address(cfg, pre_addr, st, kk, warp, lane), a)
-    frags = [mma_a_fragment(decode_lane(plan, cfg.codebook, lane_words(cfg, sW, w_lane, kk, word_idx), shift, ptx,
-                                        consts)) for kk in range(cfg.k_tiles_per_stage)]
-    # ptxas sinks that decode below the wait (nothing orders ALU work before it; sm_90a: 64 of its HADD2 after
-    # it): shared stores of the fragments that never run (W's address is not 0) hold it before the wait
-    if gW_addr == Int64(0):
-        for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
-            ptx.st_shared_v4(predecoded_address(cfg, pre_addr, 1, kk, warp, lane), frags[kk])
-    wait()
-    for st in cutlass.range_constexpr(cfg.stages):
-        if st < n_chunks:
-            issue_stage(copies[w_count:], st, st)
-    cute.arch.cp_async_commit_group()
-    cute.arch.cp_async_wait_group(0)
-    cute.arch.sync_threads()  # every thread's X copies landed
-    sX_addr = sX.iterator.toint()
-    row = (lane // 4) * cfg.x_row_words
-    q = lane % 4
-    for st in cutlass.range_constexpr(cfg.stages):
-        if st < n_chunks:
-            b_words = {}
-            for kk in cutlass.range_constexpr(cfg.k_tiles_per_stage):
-                if cutlass.const_expr(st == 0):
-                    a = frags[kk]
-                else:
-                    a = ptx.ld_shared_v4(predecoded_address(cfg, pre_addr, st, kk, warp, lane))
-                b = load_b(cfg, sX, sX_addr, st * cfg.x_stage_words + row, kk, q, b_words, 0)
-                d = ptx.mma_m16n8k16_f32(a, b, (acc[0], acc[1], acc[2], acc[3]), "float16")
-                for i in cutlass.range_constexpr(4):
-                    acc[i] = d[i]
 
 
 @cute.jit

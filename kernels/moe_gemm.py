@@ -43,11 +43,11 @@ of token groups, and a block runs the first that covers its groups holding route
 the PDL wait), storing only their partials: padding rows cost no MMAs.
 
 With ``weights_before_wait`` (down, behind a gate/up GEMM with ``next_after_loop``: each of its CTAs lets this
-launch go once its partials are written, or with ``next_after_wait``: right after its own PDL wait; gate/up from 16
-tokens on, behind an input rotation with ``early_next``) a CTA reads its block's expert and issues its first weight
-stage before its PDL wait, and X's after it: the weights stream in during the kernel before. That kernel waited for
-the route kernel before it let this one launch, so the block's expert and every kernel before are done. Every CTA
-waits, also one of an unused block, so that this kernel ends after the one before it.
+launch go once its partials are written; gate/up from 16 tokens on, behind an input rotation with ``early_next``)
+a CTA reads its block's expert and issues its first weight stage before its PDL wait, and X's after it: the
+weights stream in during the kernel before. That kernel waited for the route kernel before it let this one launch,
+so the block's expert and every kernel before are done. Every CTA waits, also one of an unused block, so that this
+kernel ends after the one before it.
 
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32 (or fp16)
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
@@ -65,14 +65,7 @@ from cutlass import Float32, Int32, Int64
 
 from . import ptx
 from .gemm import GemmConfig, check_smem
-from .mainloop import (
-    WGMMA_MAX_GROUPS,
-    DecodeGemmKernel,
-    acc_groups,
-    allocate_smem,
-    decode_mma_loop,
-    predecoded_words,
-)
+from .mainloop import WGMMA_MAX_GROUPS, DecodeGemmKernel, acc_groups, allocate_smem, decode_mma_loop
 from .moe_route import MoERoute, MoERouteConfig
 from .moe_rotate import (
     PARTIALS_DTYPES,
@@ -137,9 +130,6 @@ class MoEGemmConfig:
     # PDL, for the GEMM before one with ``weights_before_wait``: each CTA lets the next kernel launch once its
     # partials are written (before the fused tail), so that one's CTAs load their weights during that tail.
     next_after_loop: bool = False
-    # As next_after_loop, but right after this kernel's own PDL wait (a gate/up GEMM that waits at its start): the
-    # next kernel's CTAs launch once every CTA here has started and take SM slots as this kernel's CTAs leave them.
-    next_after_wait: bool = False
     # PDL: the CTA reads its route block's expert and issues the weight copies of its first stages before it waits
     # for the kernel before (``mainloop``'s ``wait``). Only where that kernel waited for the route kernel before it
     # let this one launch (it waits first, and triggers no earlier than that): then every kernel that wrote the
@@ -195,11 +185,6 @@ class MoEGemmConfig:
     # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that with
     # ``weights_before_wait`` its weight copies still go out before its PDL wait.
     awaits_block_expert: bool = False
-    # With ``weights_before_wait`` (the one-token down GEMM: one token group, a K split of at most ``stages``
-    # chunks, no split halves): every chunk's weights are copied and decoded before the PDL wait, chunk 0's A
-    # fragments into registers and the rest into shared memory (``mainloop.predecoded_mma_loop``); after the wait
-    # only X's copies and the MMAs (the same ones in the same order: the same bits).
-    decode_before_wait: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -234,17 +219,10 @@ class MoEGemmConfig:
             raise ValueError("early_prologue_loads is for the gate/up GEMM that rotates one row of x itself")
         if self.weights_before_wait and (self.input is not None or self.mma != "sync"):
             raise ValueError("weights_before_wait is for mma.sync GEMMs with X staged")
-        if self.next_after_wait and (self.next_after_loop or self.ready_signal or self.weights_before_wait
-                                     or self.ready_wait):
-            raise ValueError("next_after_wait is for a GEMM that waits at its start, instead of next_after_loop")
         if self.ready_signal and (not self.intermediate_splits or self.next_after_loop):
             raise ValueError("ready_signal is for gate/up with the fused intermediate (and no next_after_loop)")
         if self.ready_wait and (self.planes != 1 or self.mma != "sync" or self.weights_before_wait):
             raise ValueError("ready_wait is for the mma.sync down GEMM (its weights wait with its X)")
-        if self.decode_before_wait and not (self.weights_before_wait and self.mma == "sync" and self.warp_cols == 1
-                                            and self.token_groups == 1 and not self.split_halves):
-            raise ValueError("decode_before_wait is for mma.sync GEMMs of one token group with weights_before_wait, "
-                             "without split halves")
         if self.count_out_behind_x and not self.ready_wait:
             raise ValueError("count_out_behind_x is ready_wait's")
         if self.group_loops and (self.mma != "sync" or self.warp_cols != 1 or self.token_groups < 2
@@ -301,12 +279,7 @@ class MoEGemmConfig:
     @property
     def smem_bytes(self) -> int:
         routes = 4 * self.tokens_per_cta if self.resident_rows > 1 else 0  # sRoute: each row's route
-        return self.mainloop.smem_bytes + 4 * (self.extra_term_words + self.predecoded_words) + routes + self.smem_pad
-
-    @property
-    def predecoded_words(self) -> int:
-        """Shared words of the A fragments decoded before the wait (``decode_before_wait``), else 0."""
-        return predecoded_words(self.mainloop) if self.decode_before_wait else 0
+        return self.mainloop.smem_bytes + 4 * self.extra_term_words + routes + self.smem_pad
 
 
 class MoEGemm(DecodeGemmKernel):
@@ -394,7 +367,7 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):
             ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
             ptx.trace_stamp(region, ptx.TRACE_WAITED)
-        if cutlass.const_expr((cfg.ready_signal and cfg.input is not None) or cfg.next_after_wait):
+        if cutlass.const_expr(cfg.ready_signal and cfg.input is not None):
             ptx.launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
         bn, blk, split = cute.arch.block_idx()
@@ -412,8 +385,6 @@ class MoEGemm(DecodeGemmKernel):
         if cutlass.const_expr(cfg.smem_pad > 0):
             smem.allocate_tensor(Int32, cute.make_layout(cfg.smem_pad // 4), 16)  # held, never touched
         sTerm = sLast  # the fused top-k sum's slot terms: the weight stages, or their own where those are smaller
-        if cutlass.const_expr(cfg.decode_before_wait):  # the main loop's buffer in sDec's place (private decode)
-            sDec = smem.allocate_tensor(Int32, cute.make_layout(cfg.predecoded_words), 16)
         if cutlass.const_expr(cfg.extra_term_words > 0):
             sTerm = smem.allocate_tensor(Float32, cute.make_layout(cfg.extra_term_words), 16)
         elif cutlass.const_expr(cfg.topk_sum is not None):
@@ -533,7 +504,7 @@ class MoEGemm(DecodeGemmKernel):
                     else:
                         decode_mma_loop(*loop_args, WGMMA_MAX_GROUPS, wait)
                 else:
-                    decode_mma_loop(*loop_args, None, wait, decode_before_wait=cfg.decode_before_wait)
+                    decode_mma_loop(*loop_args, None, wait)
                 # P has every row of the block; a skipped tail's rows are left unwritten
                 groups = acc_groups(main, warp)
                 skippable = [cfg.skip_padding_tail and group >= WGMMA_MAX_GROUPS for _, _, group in groups]

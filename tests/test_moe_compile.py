@@ -22,7 +22,6 @@ from helpers import GLOBAL_ACCESS, PDL_WAIT, assert_early_next, assert_waits_bef
 pytestmark = pytest.mark.compile
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 ARRIVAL = "atom.acq_rel.gpu.global.add.u32"  # ptx.count_in: the last CTA found by one acq_rel atomic, no fences
-COPY = "cp.async.cg.shared.global"  # a 16-byte weight or X copy
 CASES = [(b, cb) for b in SUPPORTED_BITS for cb in CODEBOOKS if b == int(b) or cb == "mul1"]
 
 
@@ -895,58 +894,3 @@ def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     for bad in (dict(input=None, resident_k_tiles=0), dict(resident_rows=2)):
         with pytest.raises(ValueError, match="early_prologue_loads"):
             dataclasses.replace(resident, early_prologue_loads=True, **bad)
-
-
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_one_token_gate_up_lets_down_launch_after_its_wait(arch, monkeypatch):
-    """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: the one-token gate/up GEMM compiles with its one launch trigger
-    right behind its PDL wait, before its first MMA; without it the trigger comes after the main loop's MMAs."""
-    from test_moe_configs import LAYERS
-
-    def gate_up():
-        return moe_configs.step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], 1, False, "sm_90a", 132, "float16",
-                                        "float16").groups[0].gate_up
-
-    after_loop = ptx_of(gate_up(), arch)
-    monkeypatch.setattr(moe_configs, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT", True)
-    after_wait = ptx_of(gate_up(), arch)
-    trigger = "griddepcontrol.launch_dependents"
-    assert after_wait.count(trigger) == after_loop.count(trigger) == 1
-    assert after_wait.index("griddepcontrol.wait") < after_wait.index(trigger) < after_wait.index(MMA)
-    assert after_loop.index(trigger) > after_loop.index(MMA)
-
-
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-def test_one_token_down_gemm_decodes_its_whole_split_before_its_wait(arch, monkeypatch):
-    """moe_configs.ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT: the one-token down GEMM issues both chunks' weight copies before
-    its PDL wait and its X copies after it; its 16 k-tiles' MMAs all come after the wait. In sm_90a's machine code
-    every decode (HADD2: at least four a lane and k-tile) lies before the wait (ACQBULK), held there by the fragments' stores
-    that never run, and the kernel keeps six CTAs an SM: at most 80 registers, no spills."""
-    from exl3tool import sass
-    from test_moe_configs import LAYERS
-
-    def down():
-        return moe_configs.step_configs(LAYERS["qwen3-30b-shape-k4-mcg"], 1, False, arch, 132, "float16",
-                                        "float16").groups[0].down
-
-    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_SPLIT_HALVES", False)
-    after = ptx_of(down(), arch)
-    monkeypatch.setattr(moe_configs, "ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT", (arch.rstrip("a"),))
-    cfg = down()
-    assert cfg.decode_before_wait
-    before = ptx_of(cfg, arch)
-    w_copies = weight_copy_count(cfg.mainloop, 32 * cfg.warps)
-    wait = before.index("griddepcontrol.wait")
-    assert before[:wait].count(COPY) == 2 * w_copies and after[: after.index("griddepcontrol.wait")].count(COPY) == (
-        w_copies)
-    main = cfg.mainloop  # a stage's X copies: 16 bytes each of its rows' k-tiles
-    x_copies = -(-cfg.tokens_per_cta * main.x_k_tile_words * main.k_tiles_per_stage // 4 // (32 * cfg.warps))
-    assert before[wait:].count(COPY) == 2 * x_copies and before[:wait].count(MMA) == 0
-    assert before.count(MMA) == 16 and after.count(MMA) == 24  # (after: a loop of two chunks unrolled, and one more)
-    if arch == "sm_90a":
-        k = sass.gemm_report(cfg, arch)
-        ops = [i.opcode for i in k.instructions]
-        acq = ops.index("ACQBULK")
-        assert ops[:acq].count("HADD2") >= 4 * 16 and ops[acq:].count("HADD2") == 0
-        assert all("HMMA" not in o for o in ops[:acq])
-        assert k.registers <= 80 and k.spill_instructions == 0, k.registers

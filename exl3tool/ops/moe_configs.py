@@ -228,20 +228,6 @@ MIN_CTAS_PER_SM: dict[tuple[int, int], int] = {}
 # 82.4 -> 80.1 / 79.9 / 80.7, M=8 85.6 / 85.5 / 86.3 -> 84.7 / 84.7 / 84.9; M=2, 3 and 5 even. Not kept (another
 # run): the down GEMM's weights before its wait behind the Intermediate launch (M=4 56.8 -> 62.0 / 62.3).
 EARLY_DOWN_WEIGHTS = True
-# At one token the gate/up GEMM (with EARLY_DOWN_WEIGHTS) lets the down GEMM launch right after its own PDL wait
-# (MoEGemmConfig.next_after_wait), not after its loops: the trace (H100) put down's first CTAs' entry at 12.1-12.4
-# us, 0.6 us behind gate/up's last loop, while gate/up's first CTAs left their SMs from 8.7 us. Built, off until
-# measured.
-DOWN_LAUNCH_AFTER_GATE_UP_WAIT = False
-# At one token the down GEMM copies and decodes its whole K split (two chunks of 8 k-tiles) before its PDL wait
-# (MoEGemmConfig.decode_before_wait): the trace (H100) put its CTAs' entry at 12.6-13.9 us, their wait's end at 14.6
-# and their loops 3.4 us after it (median), the decode of 6.3 MB of weights on 128 SMs about 2 us of issue of that.
-# It needs down without split halves (one A fragment a k-tile: 32 registers for chunk 0, 16 KB for chunk 1); with
-# ONE_TOKEN_DOWN_SPLIT_HALVES off alone, the same MMAs after the wait as now. The archs where it is on: sm_90's 228 KB
-# an SM keep six such CTAs (36 KB, padded by spread_pad as before); SM120's 100 KB would hold 3 instead of 5. Built,
-# off until measured.
-ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT: tuple[str, ...] = ()
-ONE_TOKEN_DOWN_SPLIT_HALVES = True
 # From this many tokens on, the input rotation lets an mma.sync gate/up GEMM launch right after its own wait
 # (RouteInputRotationConfig.early_next) and that GEMM issues its first weight stages before its PDL wait
 # (weights_before_wait, as the down GEMM above): the blocks' experts come from the route kernel, which finished
@@ -501,22 +487,15 @@ def x_order(block_rows: int, split: bool = False, wgmma: bool = False, gate_up: 
 
 def group_x_orders(arch: str, group, s: StepShape) -> tuple[str, str]:
     """Column orders of a group's X (gate/up's input) and X2 (down's) at step ``s`` (x_order)."""
-    split13, split2 = group_splits(arch, group, s.block_rows, s.tokens)
+    split13, split2 = group_splits(arch, group, s.block_rows)
     return x_order(s.block_rows, split13, s.wgmma, True), x_order(s.block_rows, split2, s.wgmma)
 
 
-def group_splits(arch: str, group, block_rows: int, tokens: int = 0) -> tuple[bool, bool]:
-    """Split halves (targets.split_halves) for the gate/up and the down GEMM of a group at ``tokens``, one token group
-    a block; not for down at one token where it decodes before its wait (ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT)."""
+def group_splits(arch: str, group, block_rows: int) -> tuple[bool, bool]:
+    """Split halves (targets.split_halves) for the gate/up and the down GEMM of a group, one token group a block."""
     tg = block_rows // 8
-    down = ONE_TOKEN_DOWN_SPLIT_HALVES and not down_decodes_before_wait(arch) if tokens == 1 else True
     return (split_halves(arch, group.w13_codebook, tg, group.w13_bits),
-            down and split_halves(arch, group.w2_codebook, tg, group.w2_bits))
-
-
-def down_decodes_before_wait(arch: str) -> bool:
-    """Does the one-token down GEMM decode before its wait on ``arch`` (ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT)?"""
-    return arch.rstrip("af") in ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT
+            split_halves(arch, group.w2_codebook, tg, group.w2_bits))
 
 
 def eight_warp_small_blocks(tokens: int) -> bool:
@@ -682,7 +661,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     groups = []
     for g in d.groups:
         i_p = g.intermediate_padded
-        split13, split2 = group_splits(arch, g, s.block_rows, tokens)
+        split13, split2 = group_splits(arch, g, s.block_rows)
         order13, order2 = group_x_orders(arch, g, s)
         # the fused intermediate's 8-row blocks (mma.sync): the down GEMM loads its first weights during its tail
         early = EARLY_DOWN_WEIGHTS and s.fused_intermediate and not s.ready_counters
@@ -712,11 +691,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
             g2 = replace(g2, topk_sum=topk)
-        if DOWN_LAUNCH_AFTER_GATE_UP_WAIT and tokens == 1 and g13.input is not None and g13.next_after_loop:
-            g13 = replace(g13, next_after_loop=False, next_after_wait=True)
-        if (down_decodes_before_wait(arch) and g2.topk_sum is not None and g2.weights_before_wait
-                and not g2.split_halves and per2 <= g2.stages * g2.k_tiles_per_stage):
-            g2 = replace(g2, decode_before_wait=True)
         if COUNT_OUT_BEHIND_X and g2.ready_wait:
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks

@@ -628,45 +628,6 @@ def test_early_prologue_loads_change_no_bit(synthetic, name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
-def test_down_launched_after_gate_ups_wait_changes_no_bit(synthetic, name, monkeypatch):
-    """moe_configs.DOWN_LAUNCH_AFTER_GATE_UP_WAIT: at one token each gate/up GEMM lets the down GEMM launch right
-    after its own PDL wait (MoEGemmConfig.next_after_wait), not after its loops: the same kernels' work, so y is
-    bit-identical, eagerly (twice) and in graph replay, and within MAX_REL of the reference, with one expert group or
-    two and the shared expert's."""
-    def check(on, dmoe, made, plan, configs):
-        gate_ups = [c for c in made if c.planes == 2]
-        assert [(c.next_after_wait, c.next_after_loop) for c in gate_ups] == [(on, not on)] * len(dmoe.groups), name
-
-    one_token_setting_changes_no_bit(monkeypatch, synthetic, name, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT", check)
-
-
-@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated",
-                                  "gpt-oss-biased-swiglu"])
-def test_one_token_down_decoding_before_its_wait_changes_no_bit(synthetic, name, monkeypatch):
-    """moe_configs.ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT: the one-token down GEMM decodes its K split before its PDL wait
-    (chunk 0 held in registers, chunk 1 in shared memory), alone and behind DOWN_LAUNCH_AFTER_GATE_UP_WAIT: the same
-    MMAs in the same order as without split halves (ONE_TOKEN_DOWN_SPLIT_HALVES off), so y is bit-identical to that,
-    eagerly (twice) and in graph replay, and within MAX_REL of the reference; a group whose K split takes three
-    chunks (the shared expert of k3.5-mul1-shared-gated) keeps the chunk loop."""
-    reader = synthetic(name)
-    moe = reader.moe(0, device="cuda")
-    dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
-    archs = ("sm_90", "sm_100", "sm_120")
-    outs = []
-    for settings in ({"ONE_TOKEN_DOWN_SPLIT_HALVES": False}, {"ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT": archs},
-                     {"ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT": archs, "DOWN_LAUNCH_AFTER_GATE_UP_WAIT": True}):
-        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, settings)
-        downs = [c for c in made if c.planes == 1]
-        assert not any(c.split_halves for c in downs), name
-        assert any(c.decode_before_wait for c in downs) == ("ONE_TOKEN_DOWN_DECODE_BEFORE_WAIT" in settings), name
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), name
-    ids, weights = (t.clone() for t in routes(plan, 1))
-    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
-
-
-@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated"])
 def test_slot_blocks_at_one_token_change_no_bit(synthetic, name, monkeypatch):
     """moe_configs.SLOT_BLOCKS: at one token the route kernel gives route block j to slot j (MoERouteConfig.slot_blocks)
     instead of packing the routes by expert: each block's GEMM work is the same, so y is bit-identical, eagerly
