@@ -68,16 +68,12 @@ GROUP_LOOP_X_ROWS = True
 WGMMA_MAX_GROUPS = 32  # token groups of 8 in one warpgroup MMA (N <= 256)
 
 
-# mma.sync loops of these stage counts are unrolled over all their stages, so that each chunk's stage (addresses) is
-# static (sm_90a K=4 mcg M=1, 3 stages: 4.91 -> 4.35 SASS a weight); others by CHUNK_UNROLL, the stage computed.
-UNROLLED_STAGES = (3, 4)
-
-
 def chunk_unroll(cfg) -> int:
-    """Chunks an iteration of the main loop (``UNROLLED_STAGES``)."""
+    """Chunks an iteration of the main loop: an mma.sync loop of 3 or 4 stages is unrolled over its stages, so that
+    each chunk's stage (addresses) is static (sm_90a K=4 mcg M=1, 3 stages: 4.91 -> 4.35 SASS a weight)."""
     if cfg.rolled:
         return 1
-    return cfg.stages if cfg.mma == "sync" and cfg.stages in UNROLLED_STAGES else CHUNK_UNROLL
+    return cfg.stages if cfg.mma == "sync" and cfg.stages in (3, 4) else CHUNK_UNROLL
 
 
 class DecodeGemmKernel:

@@ -424,7 +424,7 @@ def test_sixteen_k_tile_stages_of_eight_warp_route_blocks(arch, planes):
     fields = (dict(intermediate_splits=1, ready_signal=True, x2_order=x_order(8, True)) if planes == 2
               else dict(ready_wait=True))
     sixteen = gemm_config(4.0, "mcg", planes, 8, tokens=16, split_halves=True,
-                          **moe_configs.sync_pipeline("sm_90a", 8, 8, 2, False, 1, 128), **fields)
+                          **moe_configs.sync_pipeline("sm_90a", 8, 8, False, 1, 128), **fields)
     eight = dataclasses.replace(sixteen, stages=3, k_tiles_per_stage=8)
     assert (sixteen.warps, sixteen.stages, sixteen.k_tiles_per_stage) == (8, 2, 16)
     assert sixteen.smem_bytes <= SMEM_LIMIT_BYTES and 4 * (sixteen.smem_bytes + 1024) <= 228 * 1024  # 1 KB: driver's

@@ -224,17 +224,16 @@ def test_unsplit_route_block_pipelines_on_sm90():
         (1, 8, 4, 3), (2, 8, 3, 2), (4, 8, 3, 2), (8, 8, 1, 1), (16, 8, 1, 1), (64, 8, 1, 1)]
     assert [block_warps(8, "mcg", False, m) for m in (8, 16, 64)] == [4, 8, 8]
     sixteen, three = {"stages": 2, "k_tiles_per_stage": 16}, {"stages": 3}
-    assert [sync_pipeline("sm_90a", 8, 4, 2, False, n, 128) for n in (1, 2)] == [three, {}]
-    assert [sync_pipeline("sm_90a", 8, 8, 2, False, 1, k) for k in (128, 48, 56, 8)] == [sixteen, sixteen, three, three]
-    assert sync_pipeline("sm_90a", 8, 8, 2, False, 3, 128) == sync_pipeline("sm_90a", 8, 8, 2, True, 1, 128) == {}
-    assert sync_pipeline("sm_90a", 16, 8, 2, False, 1, 128) == sync_pipeline("sm_90a", 32, 4, 2, False, 1, 128) == {}
-    assert sync_pipeline("sm_120a", 8, 4, 2, False, 1, 128) == sync_pipeline("sm_120a", 8, 8, 2, False, 1, 128) == {}
+    assert [sync_pipeline("sm_90a", 8, 4, False, n, 128) for n in (1, 2)] == [three, {}]
+    assert [sync_pipeline("sm_90a", 8, 8, False, 1, k) for k in (128, 48, 56, 8)] == [sixteen, sixteen, three, three]
+    assert sync_pipeline("sm_90a", 8, 8, False, 3, 128) == sync_pipeline("sm_90a", 8, 8, True, 1, 128) == {}
+    assert sync_pipeline("sm_90a", 16, 8, False, 1, 128) == sync_pipeline("sm_90a", 32, 4, False, 1, 128) == {}
+    assert sync_pipeline("sm_120a", 8, 4, False, 1, 128) == sync_pipeline("sm_120a", 8, 8, False, 1, 128) == {}
     for planes in (1, 2):
-        cfg = gemm_config(4.0, "mcg", planes, 8, split_halves=True,
-                          **sync_pipeline("sm_90a", 8, 4, planes, False, 1, 128))
+        cfg = gemm_config(4.0, "mcg", planes, 8, split_halves=True, **sync_pipeline("sm_90a", 8, 4, False, 1, 128))
         assert (cfg.warps, cfg.stages, cfg.k_tiles_per_stage) == (4, 3, 8)
         cfg = gemm_config(4.0, "mcg", planes, 8, tokens=16, split_halves=True,
-                          **sync_pipeline("sm_90a", 8, 8, planes, False, 1, 128))
+                          **sync_pipeline("sm_90a", 8, 8, False, 1, 128))
         assert (cfg.warps, cfg.stages, cfg.k_tiles_per_stage) == (8, 2, 16)
 
 

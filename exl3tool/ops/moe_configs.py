@@ -528,16 +528,13 @@ def block_warps(block_rows: int, codebook: str, wgmma: bool, tokens: int) -> int
     return gemm_layout(block_rows, codebook, wgmma, tokens).get("warps", MoEGemmConfig.warps)
 
 
-def sync_pipeline(arch: str, block_rows: int, warps: int, planes: int, wgmma: bool, splits: int,
-                  k_tiles: int) -> dict:
-    """gemm_config's pipeline fields for a route block's GEMM of ``planes`` (2: gate/up, 1: down) and ``splits`` K
-    splits over ``k_tiles`` on ``arch``: the first of UNSPLIT_SYNC_PIPELINES' choices (by block rows, warps and
-    planes, else by block rows and warps) whose stage divides ``k_tiles`` where they apply, else none given (the
-    layout's)."""
+def sync_pipeline(arch: str, block_rows: int, warps: int, wgmma: bool, splits: int, k_tiles: int) -> dict:
+    """gemm_config's pipeline fields for a route block's GEMM of ``splits`` K splits over ``k_tiles`` on ``arch``:
+    the first of UNSPLIT_SYNC_PIPELINES' choices whose stage divides ``k_tiles`` where they apply, else none given
+    (the layout's)."""
     if wgmma or splits > 1:
         return {}
-    table = UNSPLIT_SYNC_PIPELINES.get(arch.rstrip("af"), {})
-    for fields in table.get((block_rows, warps, planes), table.get((block_rows, warps), ())):
+    for fields in UNSPLIT_SYNC_PIPELINES.get(arch.rstrip("af"), {}).get((block_rows, warps), ()):
         if k_tiles % fields.get("k_tiles_per_stage", MoEGemmConfig.k_tiles_per_stage) == 0:
             return dict(fields)
     return {}
@@ -672,13 +669,13 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         warps13 = block_warps(s.block_rows, g.w13_codebook, wgmma, tokens)
         warps2 = block_warps(s.block_rows, g.w2_codebook, wgmma, tokens)
         g13 = gemm_config(g.w13_bits, g.w13_codebook, 2, s.block_rows, wgmma, tokens, split_halves=split13,
-                          **sync_pipeline(arch, s.block_rows, warps13, 2, wgmma, s.splits13, h_p // 16),
+                          **sync_pipeline(arch, s.block_rows, warps13, wgmma, s.splits13, h_p // 16),
                           x2_order=order2, intermediate_splits=s.splits13 if s.fused_intermediate else 0,
                           next_after_loop=early, group_first=first, ready_signal=s.ready_counters,
                           partials=partials13, gating=g.gating if s.fused_intermediate else SILU_GATING,
                           splits_in_x=tokens in SPLITS_IN_X_TOKENS and s.splits13 > 1)
         g2 = gemm_config(g.w2_bits, g.w2_codebook, 1, s.block_rows, wgmma, tokens, split_halves=split2,
-                         **sync_pipeline(arch, s.block_rows, warps2, 1, wgmma, s.splits2, i_p // 16),
+                         **sync_pipeline(arch, s.block_rows, warps2, wgmma, s.splits2, i_p // 16),
                          weights_before_wait=early, group_first=first, ready_wait=s.ready_counters,
                          partials=partials2, splits_in_x=tokens in SPLITS_IN_X_TOKENS and s.splits2 > 1)
         per13 = _per_split(h_p // 16, s.splits13, g13.k_tiles_per_stage)
