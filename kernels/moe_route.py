@@ -99,6 +99,10 @@ class MoERouteConfig:
     # itself (``choose``, the same bits) and one of them writes them (moe_gemm's ``route``), so that no CTA of this
     # launch waits for the others (the arrival and the top-k: 1.85 of M=1's 4.22 us here on an H100, bench.trace).
     logits_only: bool = False
+    # The packing places the experts in descending order of their routes (ties: the lower id first) instead of by id,
+    # so that the GEMMs' grids, which take route blocks in packed order, start the blocks of the most routes (the
+    # longest main loops: more token groups, more blocks) first and end on the shortest. Row order changes no result.
+    longest_first: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -117,6 +121,8 @@ class MoERouteConfig:
             raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
         if self.logits_only and not self.slot_blocks:
             raise ValueError("logits_only is for one token with slot_blocks (the GEMMs choose the routes)")
+        if self.longest_first and self.slot_blocks:
+            raise ValueError("longest_first orders the packing, which slot_blocks skips")
 
     @property
     def chunks(self) -> int:
@@ -308,14 +314,15 @@ class MoERoute:
             ptx.trace_flags(ptx.TRACE_ROUTE, ptx.TRACE_LIVE)
         else:
             self.routes(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounters, mCounts, mExpertRow,
-                        mBlockExpert, mRowRoute, block_rows, sFlag, sScan, sCount, single, tb, n_chunks, n_tb, tid,
-                        warp, lane, tokens)
+                        mBlockExpert, mRowRoute, block_rows, sFlag, sScan, sCount, sRing, single, tb, n_chunks, n_tb,
+                        tid, warp, lane, tokens)
 
     @cute.jit
     def routes(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
                mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounters: cute.Tensor, mCounts: cute.Tensor,
                mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, block_rows: Int32,
-               sFlag: cute.Tensor, sScan: cute.Tensor, sCount: cute.Tensor, single, tb: Int32, n_chunks: Int32,
+               sFlag: cute.Tensor, sScan: cute.Tensor, sCount: cute.Tensor, sRing: cute.Tensor, single, tb: Int32,
+               n_chunks: Int32,
                n_tb: Int32, tid: Int32, warp: Int32, lane: Int32, tokens: Int32):
         """The last CTA of token block ``tb`` (its logits stored): top-k of its tokens, then the packing."""
         cfg = self.cfg
@@ -333,15 +340,15 @@ class MoERoute:
                     mBlockExpert[lane] = mIds[0, lane]
             elif single:
                 cute.arch.sync_threads()  # every route counted in sCount
-                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
-                          tid, True)
+                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sRing, sFlag,
+                          sScan, tid, True)
             else:
                 # --- the last token block: pack the routes counted in mCounts ----------------------------------
                 last = mCounters.iterator.toint() + Int64(n_tb) * 4
                 ptx.count_in(last, n_tb, sFlag, 1, tid)
                 if sFlag[1] != 0:
-                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag,
-                              sScan, tid, False)
+                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sRing,
+                              sFlag, sScan, tid, False)
                     if tid == 0:
                         ptx.st_global_u32(last, Int32(0))
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
@@ -711,20 +718,29 @@ class MoERoute:
             out.append(cutlass.select_(kept != 0, choice[i], Float32(NEG_INF)))
         return out
 
+    def packed_expert(self, p, sOrder):
+        """The expert at packing position ``p`` (traced inline): itself, or with longest_first the order's entry."""
+        return sOrder[p] if cutlass.const_expr(self.cfg.longest_first) else p
+
     @cute.jit
     def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
-             tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
-             tid: Int32, local: cutlass.Constexpr):
-        """One CTA: each expert's rows padded to ``block_rows``, in expert order. The counts come from ``sCount``
-        when ``local`` (counted there by this CTA), else from ``mCounts``, zeroed for the next launch."""
+             tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sRing: cute.Tensor, sFlag: cute.Tensor,
+             sScan: cute.Tensor, tid: Int32, local: cutlass.Constexpr):
+        """One CTA: each expert's rows padded to ``block_rows``, in expert order (``longest_first``: in descending
+        order of its routes, ties by id). The counts come from ``sCount`` when ``local`` (counted there by this CTA),
+        else from ``mCounts``, zeroed for the next launch. With longest_first the order (position -> expert) lives in
+        the logits' rings, long done with by then."""
         cfg = self.cfg
         experts = cfg.packed_experts
+        sOrder = None
+        if cutlass.const_expr(cfg.longest_first):
+            sOrder = cute.make_tensor(cute.recast_ptr(sRing.iterator, dtype=Int32), cute.make_layout(experts))
         counts = mCounts.iterator.toint()
-        # Exclusive prefix sum of the padded counts: thread t owns experts [t*per, (t+1)*per).
+        # Thread t owns packing positions [t*per, (t+1)*per): experts by id, or their places in the order below.
         per = (experts + THREADS - 1) // THREADS
         first = cutlass.min(tid * per, experts)
         last = cutlass.min(first + per, experts)
-        rows = Int32(0)
+        rows = Int32(0)  # this thread's padded rows, for the exclusive prefix sum in packing order
         for e in range(first, last):
             count = Int32(tokens)  # the shared expert (id E) takes every token
             if e < cfg.num_experts:
@@ -734,7 +750,22 @@ class MoERoute:
                     count = ld_cg_s32(counts + Int64(e) * 4)
                     ptx.st_global_u32(counts + Int64(e) * 4, Int32(0))
             sCount[e] = count
-            rows = rows + (count + block_rows - 1) // block_rows * block_rows
+            if cutlass.const_expr(not cfg.longest_first):
+                rows = rows + (count + block_rows - 1) // block_rows * block_rows
+        if cutlass.const_expr(cfg.longest_first):
+            # expert e's position: the experts with more routes, or as many and a lower id, go before it
+            cute.arch.sync_threads()
+            for e in range(first, last):
+                count = sCount[e]
+                place = Int32(0)
+                for f in range(experts):
+                    other = sCount[f]
+                    place = place + cutlass.select_((other > count) | ((other == count) & (f < e)), Int32(1),
+                                                    Int32(0))
+                sOrder[place] = e
+            cute.arch.sync_threads()
+            for p in range(first, last):
+                rows = rows + (sCount[sOrder[p]] + block_rows - 1) // block_rows * block_rows
         lane = tid % 32
         scan = rows
         for bit in cutlass.range_constexpr(5):
@@ -748,7 +779,8 @@ class MoERoute:
             start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
-        for e in range(first, last):
+        for p in range(first, last):
+            e = self.packed_expert(p, sOrder)
             count = sCount[e]
             blocks = (count + block_rows - 1) // block_rows
             mExpertRow[e] = start

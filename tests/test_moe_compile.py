@@ -231,6 +231,7 @@ def test_grouped_gemm_other_archs(arch):
                    shared="ungated"),
     MoERouteConfig("sigmoid_noaux_tc", 16, 2, n_group=1, correction_bias=False),
     MoERouteConfig("given", 128, 8, shared="gated"),
+    MoERouteConfig("softmax_topk", 60, 4, shared="gated", expert_tile=32, longest_first=True),
 ], ids=str)
 def test_route_compiles(config):
     ptx = ptx_of(config)
@@ -257,6 +258,7 @@ def test_route_staging_fits_every_tile(experts, shared):
             assert STEP_GROUP % size == 0 and stages >= 2
             assert cfg.smem_bytes + RESERVED_SMEM_BYTES <= SMEM_LIMIT_BYTES
             assert 4 * expert_tile * token_tile <= cfg.ring_bytes  # a warp's partial tile fits in its ring
+            assert 4 * cfg.packed_experts <= WARPS * cfg.ring_bytes  # and longest_first's order in the rings
     if experts <= 256:  # decode tiles: a warp's whole slice of hidden 2048 in flight at once
         size, stages = MoERouteConfig("softmax_topk", experts, 8, shared=shared).staging
         assert size * stages >= 2048 // 16 // WARPS

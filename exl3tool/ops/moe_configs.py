@@ -248,6 +248,12 @@ EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 8
 # M=256 251.4 -> 252.8, so only up to 16 tokens.
 EARLY_ROUTE_NEXT_TOKENS = 16
 CONTIGUOUS_GROUP_ROWS = True
+# From this many tokens on the route's packing places the experts in descending order of their routes
+# (MoERouteConfig.longest_first), so that the GEMMs start the route blocks with the longest main loops first and their
+# grids end on the shortest. The H100 trace of M=256 (s74) put its gate/up blocks' CTAs at 29-56 us each (the routes of
+# the block's expert set its token groups), the last dispatched ones ending up to 45 us after the first wave; a list
+# schedule of those durations ends 11-14 us sooner longest first. 0: off (built in s74, not measured yet).
+LONGEST_FIRST_MIN_TOKENS = 0
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
@@ -651,7 +657,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens),
+                    longest_first=0 < LONGEST_FIRST_MIN_TOKENS <= tokens)
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
@@ -698,7 +705,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
-        route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
+        route = replace(route, slot_blocks=True, longest_first=False)  # only the one-token GEMMs read the blocks
         if ROUTE_IN_GEMMS:
             route = replace(route, logits_only=True)
             groups = [replace(g, gate_up=replace(g.gate_up, route=route, writes_routes=i == 0),
