@@ -596,22 +596,28 @@ def test_down_spread_over_the_sms_changes_no_bit(synthetic, name, monkeypatch):
     assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
-def one_token_setting_changes_no_bit(monkeypatch, synthetic, name, attribute, check) -> None:
-    """The layer at one token with moe's ``attribute`` True, then False (``layer_with``: eager twice, graph replay),
-    ``check(on, dmoe, made, plan, configs)`` after each; y bit-identical between them and within MAX_REL of the
-    reference."""
+def setting_changes_no_bit(monkeypatch, synthetic, name, m, attribute, values, check) -> None:
+    """The layer at ``m`` tokens with moe's ``attribute`` at each of ``values`` (``layer_with``: eager twice, graph
+    replay), ``check(i, dmoe, made, plan, configs)`` after the i-th; y bit-identical between them and within MAX_REL
+    of the reference."""
     reader = synthetic(name)
     moe = reader.moe(0, device="cuda")
     dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(1, dmoe.hidden, device="cuda") * 0.1).half()
+    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
     outs = []
-    for on in (True, False):
-        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {attribute: on})
-        check(on, dmoe, made, plan, configs)
+    for i, value in enumerate(values):
+        y, made, plan, configs = layer_with(monkeypatch, dmoe, x, {attribute: value})
+        check(i, dmoe, made, plan, configs)
         outs.append(y)
-    assert torch.equal(outs[0], outs[1]), name
-    ids, weights = (t.clone() for t in routes(plan, 1))
+    assert all(torch.equal(y, outs[0]) for y in outs), (name, m)
+    ids, weights = (t.clone() for t in routes(plan, m))
     assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+
+def one_token_setting_changes_no_bit(monkeypatch, synthetic, name, attribute, check) -> None:
+    """``setting_changes_no_bit`` at one token with ``attribute`` True, then False: ``check(on, ...)``."""
+    setting_changes_no_bit(monkeypatch, synthetic, name, 1, attribute, (True, False),
+                           lambda i, *rest: check(i == 0, *rest))
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "two-groups-k3-k5", "k3.5-mul1-shared-gated",
@@ -684,25 +690,16 @@ def test_longest_first_packing_changes_no_bit(synthetic, name, m, monkeypatch):
     (MoERouteConfig.longest_first), so the GEMMs take the same route blocks in another order: y is bit-identical,
     eagerly (twice) and in graph replay, and within MAX_REL of the reference; along the packed rows the experts'
     counts never rise (by id without it)."""
-    reader = synthetic(name)
-    moe = reader.moe(0, device="cuda")
-    dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for on in (True, False):
-        y, _, plan, configs = layer_with(monkeypatch, dmoe, x, {"LONGEST_FIRST_MIN_TOKENS": 2 if on else 0})
-        assert configs.route.longest_first == on
-        ids = routes(plan, m)[0].long().view(-1)
-        count = torch.bincount(ids, minlength=dmoe.route.packed_experts)
-        if on:  # the experts by their first rows: the counts never rise
+    def check(i, dmoe, made, plan, configs):
+        assert configs.route.longest_first == (i == 0)
+        count = torch.bincount(routes(plan, m)[0].long().view(-1), minlength=dmoe.route.packed_experts)
+        if i == 0:  # the experts by their first rows: the counts never rise
             by_row = count[plan.expert_row.long().argsort(stable=True)]
             assert (by_row[1:] <= by_row[:-1]).all(), (name, m)
         else:  # by id
             assert (plan.expert_row[1:] >= plan.expert_row[:-1]).all(), (name, m)
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]), (name, m)
-    ids, weights = (t.clone() for t in routes(plan, m))
-    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+
+    setting_changes_no_bit(monkeypatch, synthetic, name, m, "LONGEST_FIRST_MIN_TOKENS", (2, 0), check)
 
 
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
@@ -711,19 +708,11 @@ def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypa
     """moe_configs.GATE_UP_FRAGMENT_ORDER_ROWS: 16-row route blocks with gate/up's X in fragment order (the input
     rotation writes it so, the GEMM reads a k-tile's B words by one 16-byte load) run the same MMAs as with X in rows: y
     is bit-identical, eagerly (twice) and in graph replay, and within MAX_REL of the reference."""
-    reader = synthetic(name)
-    moe = reader.moe(0, device="cuda")
-    dmoe = DeviceMoE.from_layer(moe)
-    x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
-    outs = []
-    for on in (True, False):
-        y, made, plan, _ = layer_with(monkeypatch, dmoe, x, {"GATE_UP_FRAGMENT_ORDER_ROWS": (16,) if on else ()})
+    def check(i, dmoe, made, plan, configs):
         assert plan.step(m, False).shape.block_rows == 16
-        assert [c.x_order for c in made] == [("fragments" if on and c.planes == 2 else "rows") for c in made]
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1]), (name, m)
-    ids, weights = (t.clone() for t in routes(plan, m))
-    assert rel(outs[0], reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
+        assert [c.x_order for c in made] == [("fragments" if i == 0 and c.planes == 2 else "rows") for c in made]
+
+    setting_changes_no_bit(monkeypatch, synthetic, name, m, "GATE_UP_FRAGMENT_ORDER_ROWS", ((16,), ()), check)
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (1, 16, 64)), ("k3.5-mul1-shared-gated", (1, 5)),
