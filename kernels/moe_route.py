@@ -322,8 +322,7 @@ class MoERoute:
                mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounters: cute.Tensor, mCounts: cute.Tensor,
                mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, block_rows: Int32,
                sFlag: cute.Tensor, sScan: cute.Tensor, sCount: cute.Tensor, sRing: cute.Tensor, single, tb: Int32,
-               n_chunks: Int32,
-               n_tb: Int32, tid: Int32, warp: Int32, lane: Int32, tokens: Int32):
+               n_chunks: Int32, n_tb: Int32, tid: Int32, warp: Int32, lane: Int32, tokens: Int32):
         """The last CTA of token block ``tb`` (its logits stored): top-k of its tokens, then the packing."""
         cfg = self.cfg
         counter = mCounters.iterator.toint() + Int64(tb) * 4

@@ -251,8 +251,8 @@ CONTIGUOUS_GROUP_ROWS = True
 # From this many tokens on the route's packing places the experts in descending order of their routes
 # (MoERouteConfig.longest_first), so that the GEMMs start the route blocks with the longest main loops first and their
 # grids end on the shortest. The H100 trace of M=256 (s74) put its gate/up blocks' CTAs at 29-56 us each (the routes of
-# the block's expert set its token groups), the last dispatched ones ending up to 45 us after the first wave; a list
-# schedule of those durations ends 11-14 us sooner longest first. 0: off (built in s74, not measured yet).
+# the block's expert set its token groups); a list schedule of those durations on the SMs' slots ends 11-14 us sooner
+# longest first than in expert order. 0: off (built in s74, not measured yet).
 LONGEST_FIRST_MIN_TOKENS = 0
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
