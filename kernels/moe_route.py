@@ -717,10 +717,6 @@ class MoERoute:
             out.append(cutlass.select_(kept != 0, choice[i], Float32(NEG_INF)))
         return out
 
-    def packed_expert(self, p, sOrder):
-        """The expert at packing position ``p`` (traced inline): itself, or with longest_first the order's entry."""
-        return sOrder[p] if cutlass.const_expr(self.cfg.longest_first) else p
-
     @cute.jit
     def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
              tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sRing: cute.Tensor, sFlag: cute.Tensor,
@@ -779,7 +775,7 @@ class MoERoute:
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
         for p in range(first, last):
-            e = self.packed_expert(p, sOrder)
+            e = sOrder[p] if cutlass.const_expr(cfg.longest_first) else p
             count = sCount[e]
             blocks = (count + block_rows - 1) // block_rows
             mExpertRow[e] = start
