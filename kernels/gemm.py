@@ -122,10 +122,6 @@ class GemmConfig:
     rolled: bool = False
     # PDL: let the next kernel in the stream launch right after this one's wait (``ptx.wait_for_prior_kernels``)
     early_next: bool = False
-    # > 0 (mma.sync): as each chunk's stage copies go out, the CTA also asks the L2 for the weight lines of the
-    # chunk this many stages further on (``prefetch.global.L2``), so that a stage's DRAM round trip starts that
-    # much earlier while its shared-memory stages, barriers and registers stay as they are (``mainloop``).
-    l2_prefetch_stages: int = 0
 
     def __post_init__(self):
         TrellisPlan(self.bits)  # validates the bitrate
@@ -162,8 +158,6 @@ class GemmConfig:
                              "positive multiple of 8")
         if not 1 <= self.resident_rows <= 8 or (self.resident_rows > 1 and self.input is None):
             raise ValueError("resident_rows: 1 to 8 rows of x, with input")
-        if self.l2_prefetch_stages < 0 or (self.l2_prefetch_stages and self.mma != "sync"):
-            raise ValueError("l2_prefetch_stages is a stage count of the mma.sync main loop")
         if (self.mbarriers or self.rolled) and self.mma != "wgmma":
             raise ValueError("mbarriers and rolled are pipelines of the warpgroup-MMA main loop")
         if self.whole_k and (self.mma != "wgmma" or self.output is None):

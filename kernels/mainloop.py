@@ -172,20 +172,6 @@ def weight_copy_count(cfg, threads) -> int:
     return -(-cfg.k_tiles_per_stage * (cfg.w_row_words // 4) // threads)
 
 
-def l2_prefetch_line(cfg, plan, gW_addr, k_begin, n_col_tiles, col_tile0, tid):
-    """``GemmConfig.l2_prefetch_stages``: (global byte address of this thread's 128-byte line in chunk 0, bytes per
-    chunk). A chunk's weight rows (each one contiguous run of the CTA's tiles, as ``stage_copies`` reads it) span
-    ``total`` lines; warp w takes lines ``w*per_warp ..`` (its lanes in turn, so that its one instruction asks for
-    ``per_warp`` distinct lines), every thread one (beyond 32 lines a warp some go unasked: a hint). Inline."""
-    words = plan.words_per_tile
-    lines = -(-4 * cfg.w_row_words // 128)  # a row's lines
-    total = cfg.k_tiles_per_stage * lines
-    per_warp = min(32, max(1, total // cfg.warps))
-    line = (tid // 32 * per_warp + tid % 32 % per_warp) % total
-    addr = gW_addr + (Int64(k_begin + line // lines) * n_col_tiles + col_tile0) * (4 * words) + line % lines * 128
-    return addr, Int64(n_col_tiles) * (4 * cfg.k_tiles_per_stage * words)
-
-
 def swizzled_x_word(cfg, row, part):
     """Shared word (from the stage's start) of 16-byte piece ``part`` of token row ``row`` in the wgmma layout:
     128-byte swizzle atoms of 64 k each, one after the other, piece p of a row at p ^ (row % 8)."""
@@ -237,14 +223,6 @@ def row_copies(cfg, threads, sX_addr, gX_addr, k_begin, tok0, tokens, x_row_word
     return RowCopies(sX_addr + s_word * 4, 4 * cfg.x_stage_words, gX_addr + g_word * 4,
                      4 * cfg.k_tiles_per_stage * cfg.x_k_tile_words, row_step * 4 * x_row_words_g,
                      tokens - tok0 - row0, row_step, cfg.tokens_per_cta // row_step)
-
-
-def l2_prefetch(prefetch, chunk, n_chunks):
-    """This thread's line of chunk ``chunk``'s weights into the L2 (``GemmConfig.l2_prefetch_stages``), of the CTA's
-    last chunk past it (a repeat, where nothing is left to ask for: ptxas of the CuTe DSL 4.8.1 crashed on sm_120a's
-    8-row gate/up GEMM with the prefetch predicated or behind a branch). Traced inline."""
-    addr, stride = prefetch
-    ptx.prefetch_l2_line(addr + Int64(cutlass.min(chunk, n_chunks - 1)) * stride)
 
 
 def issue_stage(copies, chunk, stage):
@@ -314,9 +292,6 @@ def decode_mma_loop(
     bulk = cfg.x_order == "stages"
     copies = stage_copies(cfg, plan, threads, addrs, k_begin, col_tile0, tok0, tokens, x_row_words_g, n_col_tiles,
                           tid, x_rows, sDec if bulk else None)
-    prefetch = None
-    if cutlass.const_expr(cfg.l2_prefetch_stages > 0):
-        prefetch = l2_prefetch_line(cfg, plan, gW_addr, k_begin, n_col_tiles, col_tile0, tid)
     wgmma = cfg.mma == "wgmma"
     if cutlass.const_expr(wgmma and cfg.mbarriers):
         mbarrier_wgmma_loop(cfg, plan, acc, sW, sX_addr, sDec, copies, n_chunks, warp, lane, tid, mma_groups)
@@ -343,9 +318,6 @@ def decode_mma_loop(
         if st < n_chunks:
             issue_stage(copies_ahead, st, st)
         cute.arch.cp_async_commit_group()
-    if cutlass.const_expr(prefetch is not None):
-        for st in cutlass.range_constexpr(ahead_stages, ahead_stages + cfg.l2_prefetch_stages):
-            l2_prefetch(prefetch, st, n_chunks)
     if cutlass.const_expr(prologue_loads is not None):
         prologue(sX, loaded)  # as below, its loads already on their way
     elif cutlass.const_expr(prologue is not None):
@@ -355,7 +327,7 @@ def decode_mma_loop(
     consts = codebook_constants(cfg.codebook, ptx)
     # chunk_loop's arguments before and after its copies (a group loop passes fewer copies)
     before = (cfg, plan, acc, sW, sX, sDec)
-    after = (n_chunks, ahead_stages, word_idx, shift, consts, warp, lane, prefetch)
+    after = (n_chunks, ahead_stages, word_idx, shift, consts, warp, lane)
     if cutlass.const_expr(group_loops is None):
         chunk_loop(*before, copies, *after, mma_groups)
     else:
@@ -372,7 +344,7 @@ def decode_mma_loop(
 @cute.jit
 def chunk_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor,
                sDec, copies, n_chunks: Int32, ahead_stages: cutlass.Constexpr, word_idx, shift, consts, warp: Int32,
-               lane: Int32, prefetch, mma_groups: cutlass.Constexpr = None):
+               lane: Int32, mma_groups: cutlass.Constexpr = None):
     """``decode_mma_loop``'s main loop over the chunks, once its first stages are issued: each chunk waits for its
     stage, issues the copies of the stage ``ahead_stages`` on and decodes and multiplies its k-tiles."""
     wgmma = cfg.mma == "wgmma"
@@ -391,9 +363,6 @@ def chunk_loop(cfg: cutlass.Constexpr, plan: cutlass.Constexpr, acc: cute.Tensor
             ptx.fence_proxy_async_shared()  # this thread's cp.async data, visible to the tensor cores' reads
         cute.arch.sync_threads()
         ahead = chunk + ahead_stages
-        if cutlass.const_expr(prefetch is not None):
-            # before the stage's copies: ptxas sinks it to the end of the chunk's MMAs when it comes after them
-            l2_prefetch(prefetch, ahead + cfg.l2_prefetch_stages, n_chunks)
         if ahead < n_chunks:
             issue_stage(copies, ahead, ahead % cfg.stages)
         cute.arch.cp_async_commit_group()

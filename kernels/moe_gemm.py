@@ -144,7 +144,6 @@ class MoEGemmConfig:
     # wait at M=1, an L2 prefetch of its suh lines changed nothing, and the loop after it is issue-bound.
     early_prologue_loads: bool = False
     rolled: bool = False  # wgmma: one stage a main-loop iteration (GemmConfig.rolled)
-    l2_prefetch_stages: int = 0  # GemmConfig.l2_prefetch_stages
     # Block-ready counters instead of the grid-wide PDL wait between gate/up and down (mma.sync route blocks):
     # gate/up with the fused intermediate lets the down GEMM launch as each CTA starts and counts each
     # (route block, 128-column block of I) in at the block's ready counter once its X2 is written
@@ -243,7 +242,7 @@ class MoEGemmConfig:
                           input=self.input, resident_k_tiles=self.resident_k_tiles, resident_rows=self.resident_rows,
                           split_halves=self.split_halves,
                           x_order=self.resident_order if self.input is not None else self.x_order, mma=self.mma,
-                          mbarriers=self.mbarriers, rolled=self.rolled, l2_prefetch_stages=self.l2_prefetch_stages)
+                          mbarriers=self.mbarriers, rolled=self.rolled)
 
     @property
     def resident_order(self) -> str:

@@ -161,28 +161,6 @@ def test_down_counts_out_behind_its_first_x_copies(arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
-@pytest.mark.parametrize("tokens", [16, 256])
-def test_l2_prefetch_asks_for_each_weight_line_ahead(arch, tokens, monkeypatch):
-    """moe_configs.L2_PREFETCH_*_STAGES (MoEGemmConfig.l2_prefetch_stages): both mma.sync GEMMs prefetch a line a
-    thread (prefetch.global.L2) before the loop for each stage ahead and in each chunk of the loop, beside the same
-    MMAs and copies; off, none."""
-    monkeypatch.setattr(moe_configs, "L2_PREFETCH_GATE_UP_STAGES", 2)
-    monkeypatch.setattr(moe_configs, "L2_PREFETCH_DOWN_STAGES", 1)
-    layer = moe_configs.LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048,
-                                   (moe_configs.GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
-    group = moe_configs.step_configs(layer, tokens, False, arch, 132, "float16", "float16").groups[0]
-    for cfg, stages in ((group.gate_up, 2), (group.down, 1)):
-        assert cfg.mma == "sync" and cfg.l2_prefetch_stages == stages
-        ptx, plain = ptx_of(cfg, arch), ptx_of(dataclasses.replace(cfg, l2_prefetch_stages=0), arch)
-        assert ptx.count(MMA) == plain.count(MMA) > 0
-        assert ptx.count("cp.async.cg.shared.global") == plain.count("cp.async.cg.shared.global")
-        # one per stage ahead before the loop, one in each of the loop's unrolled chunks
-        assert ptx.count("prefetch.global.L2") > stages and plain.count("prefetch.global.L2") == 0
-    with pytest.raises(ValueError):
-        dataclasses.replace(group.gate_up, l2_prefetch_stages=-1)
-
-
-@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
 def test_splits_in_x_take_the_split_from_the_column_index(arch):
     """MoEGemmConfig.splits_in_x (the M=1 GEMMs, 4 and 3 K splits): the column block is the grid x's quotient by the
     split count, the split its remainder (one integer division more, behind the block index's first read), the MMAs

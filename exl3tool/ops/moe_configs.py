@@ -254,10 +254,6 @@ CONTIGUOUS_GROUP_ROWS = True
 # the block's expert set its token groups); a list schedule of those durations on the SMs' slots ends 11-14 us sooner
 # longest first than in expert order. 0: off (built in s74, not measured yet).
 LONGEST_FIRST_MIN_TOKENS = 0
-# mma.sync route blocks' GEMMs: weight lines prefetched into the L2 this many stages ahead of their copies
-# (MoEGemmConfig.l2_prefetch_stages; 0: none), gate/up and down apart.
-L2_PREFETCH_GATE_UP_STAGES = 0
-L2_PREFETCH_DOWN_STAGES = 0
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
@@ -529,8 +525,6 @@ def gemm_config(bits: float, codebook: str, planes: int, block_rows: int, wgmma:
     fields.setdefault("skip_padding_tail", SKIP_PADDING_TAIL and wgmma and block_rows > 8 * WGMMA_MAX_GROUPS)
     fields.setdefault("group_loops", () if wgmma else GROUP_LOOPS.get(block_rows, ()))
     fields.setdefault("min_ctas_per_sm", 0 if wgmma else MIN_CTAS_PER_SM.get((block_rows, planes), 0))
-    fields.setdefault("l2_prefetch_stages", 0 if wgmma else L2_PREFETCH_GATE_UP_STAGES if planes == 2
-                      else L2_PREFETCH_DOWN_STAGES)
     return fitting_config(MoEGemmConfig, bits=bits, codebook=codebook, planes=planes, token_groups=block_rows // 8,
                           **gemm_layout(block_rows, codebook, wgmma, tokens), **fields)
 

@@ -702,24 +702,6 @@ def test_longest_first_packing_changes_no_bit(synthetic, name, m, monkeypatch):
     setting_changes_no_bit(monkeypatch, synthetic, name, m, "LONGEST_FIRST_MIN_TOKENS", (2, 0), check)
 
 
-@pytest.mark.parametrize("name,m,stages", [("qwen3-30b-shape-k4-mcg", 16, 1), ("qwen3-30b-shape-k4-mcg", 256, 2),
-                                           ("two-groups-k3-k5", 24, 2), ("k3.5-mul1-shared-gated", 64, 1),
-                                           ("gpt-oss-biased-swiglu", 8, 3)])
-@pytest.mark.parametrize("attribute", ["L2_PREFETCH_GATE_UP_STAGES", "L2_PREFETCH_DOWN_STAGES"])
-def test_l2_prefetch_changes_no_bit(synthetic, name, m, stages, attribute, monkeypatch):
-    """moe_configs.L2_PREFETCH_*_STAGES: the mma.sync GEMMs prefetch their weight lines into the L2 ``stages`` stages
-    ahead of their copies (MoEGemmConfig.l2_prefetch_stages), a hint that changes no value: y is bit-identical, eagerly
-    (twice) and in graph replay, and within MAX_REL of the reference."""
-    planes = 2 if attribute == "L2_PREFETCH_GATE_UP_STAGES" else 1
-
-    def check(i, dmoe, made, plan, configs):
-        expect = stages if i == 0 else 0
-        assert [c.l2_prefetch_stages for c in made if c.planes == planes and c.mma == "sync"] \
-            == [expect] * len(dmoe.groups), (name, m, attribute)
-
-    setting_changes_no_bit(monkeypatch, synthetic, name, m, attribute, (stages, 0), check)
-
-
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
