@@ -73,6 +73,12 @@ METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
 NO_ID = 0x7FFFFFFF
 NEG_INF_KEY = 0x007FFFFF  # ptx.order_key(-inf)
+ORDER_BINS = 2 * THREADS  # longest_first's histogram of the experts' counts (larger counts share the last bin)
+
+
+def order_words(experts: int) -> int:
+    """Shared words of longest_first's order (position -> expert) before its histogram: 16-byte aligned."""
+    return -(-experts // 4) * 4
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class MoERouteConfig:
     # itself (``choose``, the same bits) and one of them writes them (moe_gemm's ``route``), so that no CTA of this
     # launch waits for the others (the arrival and the top-k: 1.85 of M=1's 4.22 us here on an H100, bench.trace).
     logits_only: bool = False
-    # The packing places the experts in descending order of their routes (ties: the lower id first) instead of by id,
+    # The packing places the experts in descending order of their routes (ties in no fixed order) instead of by id,
     # so that the GEMMs' grids, which take route blocks in packed order, start the blocks of the most routes (the
     # longest main loops: more token groups, more blocks) first and end on the shortest. Row order changes no result.
     longest_first: bool = False
@@ -722,14 +728,16 @@ class MoERoute:
              tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sRing: cute.Tensor, sFlag: cute.Tensor,
              sScan: cute.Tensor, tid: Int32, local: cutlass.Constexpr):
         """One CTA: each expert's rows padded to ``block_rows``, in expert order (``longest_first``: in descending
-        order of its routes, ties by id). The counts come from ``sCount`` when ``local`` (counted there by this CTA),
-        else from ``mCounts``, zeroed for the next launch. With longest_first the order (position -> expert) lives in
-        the logits' rings, long done with by then."""
+        order of its routes, ``order_longest_first``). The counts come from ``sCount`` when ``local`` (counted there by
+        this CTA), else from ``mCounts``, zeroed for the next launch. With longest_first the order (position ->
+        expert) and its histogram live in the logits' rings, long done with by then."""
         cfg = self.cfg
         experts = cfg.packed_experts
-        sOrder = None
-        if cutlass.const_expr(cfg.longest_first):
-            sOrder = cute.make_tensor(cute.recast_ptr(sRing.iterator, dtype=Int32), cute.make_layout(experts))
+        sOrder, sBins = None, None
+        if cutlass.const_expr(cfg.longest_first):  # the order, then the count histogram, in the rings
+            words = cute.recast_ptr(sRing.iterator, dtype=Int32)
+            sOrder = cute.make_tensor(words, cute.make_layout(experts))
+            sBins = cute.make_tensor(words + order_words(experts), cute.make_layout(ORDER_BINS))
         counts = mCounts.iterator.toint()
         # Thread t owns packing positions [t*per, (t+1)*per): experts by id, or their places in the order below.
         per = (experts + THREADS - 1) // THREADS
@@ -748,17 +756,7 @@ class MoERoute:
             if cutlass.const_expr(not cfg.longest_first):
                 rows = rows + (count + block_rows - 1) // block_rows * block_rows
         if cutlass.const_expr(cfg.longest_first):
-            # expert e's position: the experts with more routes, or as many and a lower id, go before it
-            cute.arch.sync_threads()
-            for e in range(first, last):
-                count = sCount[e]
-                place = Int32(0)
-                for f in range(experts):
-                    other = sCount[f]
-                    place = place + cutlass.select_((other > count) | ((other == count) & (f < e)), Int32(1),
-                                                    Int32(0))
-                sOrder[place] = e
-            cute.arch.sync_threads()
+            self.order_longest_first(sCount, sOrder, sBins, sScan, first, last, per, tid)
             for p in range(first, last):
                 rows = rows + (sCount[sOrder[p]] + block_rows - 1) // block_rows * block_rows
         lane = tid % 32
@@ -787,3 +785,53 @@ class MoERoute:
         cute.arch.sync_threads()
         for b in range(sFlag[2] + tid, mBlockExpert.shape[0], THREADS):
             mBlockExpert[b] = -1
+
+    @cute.jit
+    def order_longest_first(self, sCount: cute.Tensor, sOrder: cute.Tensor, sBins: cute.Tensor, sScan: cute.Tensor,
+                            first: Int32, last: Int32, per: cutlass.Constexpr, tid: Int32):
+        """``sOrder[place] = e`` for the experts in descending order of their routes (``sCount``, complete when
+        called): a histogram of the counts (from ORDER_BINS - 1 routes on, one bin), the bins' suffix sums by a
+        block scan (place = the experts in higher bins + the expert's turn in its own bin, which a shared-memory
+        atomic gives: ties in no fixed order, which changes no result). A few dozen instructions a thread and four
+        barriers, where ranking each expert against every other (129 compares a thread) cost the route 0.8-1.5 us at
+        128 experts (H100, M=64-384, docs/perf.md, seventy-fifth session)."""
+        cute.arch.sync_threads()  # every count in sCount
+        for b in cutlass.range_constexpr(ORDER_BINS // THREADS):
+            sBins[b * THREADS + tid] = Int32(0)
+        cute.arch.sync_threads()
+        bins_addr = sBins.iterator.toint()
+        keys, turns = [], []
+        for j in cutlass.range_constexpr(per):
+            key = cutlass.min(sCount[cutlass.min(first + j, last - 1)], ORDER_BINS - 1)
+            turn = Int32(0)
+            if first + j < last:
+                turn = atomic_add_shared_u32(bins_addr + key * 4, 1)
+            keys.append(key)
+            turns.append(turn)
+        cute.arch.sync_threads()
+        # thread t holds bins ORDER_BINS-1-per_thread*t .. (descending): an exclusive scan gives each its bins above
+        per_thread = ORDER_BINS // THREADS
+        top = ORDER_BINS - 1 - per_thread * tid
+        held = [sBins[top - i] for i in range(per_thread)]
+        total = held[0]
+        for i in cutlass.range_constexpr(1, per_thread):
+            total = total + held[i]
+        lane = tid % 32
+        scan = total
+        for bit in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(scan, 1 << bit)
+            scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
+        if lane == 31:
+            sScan[tid // 32] = scan
+        cute.arch.sync_threads()
+        above = scan - total
+        for w in cutlass.range_constexpr(WARPS):
+            above = above + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
+        for i in cutlass.range_constexpr(per_thread):  # its own bins only: bin -> the experts in the bins above it
+            sBins[top - i] = above
+            above = above + held[i]
+        cute.arch.sync_threads()
+        for j in cutlass.range_constexpr(per):
+            if first + j < last:
+                sOrder[sBins[keys[j]] + turns[j]] = first + j
+        cute.arch.sync_threads()  # sOrder whole; sScan free again

@@ -252,7 +252,11 @@ CONTIGUOUS_GROUP_ROWS = True
 # (MoERouteConfig.longest_first), so that the GEMMs start the route blocks with the longest main loops first and their
 # grids end on the shortest. The H100 trace of M=256 (s74) put its gate/up blocks' CTAs at 29-56 us each (the routes of
 # the block's expert set its token groups); a list schedule of those durations on the SMs' slots ends 11-14 us sooner
-# longest first than in expert order. 0: off (built in s74, not measured yet).
+# longest first than in expert order. Measured with each expert ranked against every other (s75, H100, layer graph,
+# us, base -> longest first, spreads 1-4): M=64 158.93 -> 159.07, M=128 186.48 -> 185.72, M=192 208.18 -> 208.30,
+# M=256 226.34 -> 225.12, M=384 283.39 -> 283.80; at M=256 gate/up ended 3.3 us sooner but the route took 0.9 longer
+# (0.8-1.5 at M=64-384). The ranking is now a histogram of the counts (``order_longest_first``), not measured yet.
+# 0: off (docs/perf.md, seventy-fifth session).
 LONGEST_FIRST_MIN_TOKENS = 0
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh

@@ -1249,7 +1249,7 @@ def test_each_token_is_independent_of_the_batch(synthetic):
 def test_route_packing_one_token_block_or_several(synthetic, name, longest, monkeypatch):
     """Around the route kernel's one-token-block path (counts in shared memory, M <= 8): every route has its own
     rank inside its expert, the experts' first rows are the prefix sums of their padded counts in packing order (by
-    id; ``longest``: moe_configs.LONGEST_FIRST_MIN_TOKENS from 2 tokens, by descending count, ties by id), each
+    id; ``longest``: moe_configs.LONGEST_FIRST_MIN_TOKENS from 2 tokens, by descending count), each
     expert's blocks and only those hold it in the block table (the rest -1), its rows after its routes are padding
     (row_route -1) and its routes' rows hold routes to it, on poisoned scratch; the counters and counts are back at
     zero after each call, and a token's logits are the same whatever the batch."""
@@ -1273,7 +1273,11 @@ def test_route_packing_one_token_block_or_several(synthetic, name, longest, monk
             assert m == 1 and torch.equal(plan.block_expert[:k].long(), ids)
         else:
             assert plan.configs(m, False).route.longest_first == (longest and m >= 2), m
-            order = sorted(range(e_p), key=lambda e: (-count[e].item(), e) if longest else e)
+            if longest and m >= 2:  # by descending count, ties in no fixed order: the order the first rows give
+                order = sorted(range(e_p), key=lambda e: (plan.expert_row[e].item(), count[e].item() == 0))
+                assert all(count[a] >= count[b] for a, b in zip(order, order[1:])), m
+            else:
+                order = list(range(e_p))
             ends = padded[order].cumsum(0)
             first = torch.empty_like(padded)
             first[order] = ends - padded[order]
