@@ -233,6 +233,24 @@ def warp_best(v, i, extra):
     return cute.arch.shuffle_sync(v, owner), win, cute.arch.shuffle_sync(extra, owner)
 
 
+@cute.jit
+def exclusive_block_sum(value: Int32, sScan: cute.Tensor, tid: Int32) -> Int32:
+    """The sum of ``value`` over the CTA's threads before ``tid`` (a warp scan, then the warps' totals through
+    ``sScan``, after one barrier; the caller puts a barrier between two uses of ``sScan``)."""
+    lane = tid % 32
+    scan = value
+    for bit in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(scan, 1 << bit)
+        scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
+    if lane == 31:
+        sScan[tid // 32] = scan
+    cute.arch.sync_threads()
+    before = scan - value
+    for w in cutlass.range_constexpr(WARPS):
+        before = before + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
+    return before
+
+
 def warp_sum(v):
     for bit in range(5):
         v = v + cute.arch.shuffle_sync_bfly(v, 16 >> bit)
@@ -759,17 +777,7 @@ class MoERoute:
             self.order_longest_first(sCount, sOrder, sBins, sScan, first, last, per, tid)
             for p in range(first, last):
                 rows = rows + (sCount[sOrder[p]] + block_rows - 1) // block_rows * block_rows
-        lane = tid % 32
-        scan = rows
-        for bit in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(scan, 1 << bit)
-            scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
-        if lane == 31:
-            sScan[tid // 32] = scan
-        cute.arch.sync_threads()
-        start = scan - rows
-        for w in cutlass.range_constexpr(WARPS):
-            start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
+        start = exclusive_block_sum(rows, sScan, tid)
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
         for p in range(first, last):
@@ -816,17 +824,7 @@ class MoERoute:
         total = held[0]
         for i in cutlass.range_constexpr(1, per_thread):
             total = total + held[i]
-        lane = tid % 32
-        scan = total
-        for bit in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(scan, 1 << bit)
-            scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
-        if lane == 31:
-            sScan[tid // 32] = scan
-        cute.arch.sync_threads()
-        above = scan - total
-        for w in cutlass.range_constexpr(WARPS):
-            above = above + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
+        above = exclusive_block_sum(total, sScan, tid)
         for i in cutlass.range_constexpr(per_thread):  # its own bins only: bin -> the experts in the bins above it
             sBins[top - i] = above
             above = above + held[i]
