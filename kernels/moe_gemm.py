@@ -75,6 +75,8 @@ from .moe_rotate import (
     check_launch_fields,
     group_row_of,
     intermediate_row,
+    prefetch_block_scales_l2,
+    svh_row_of,
     topk_sum_block,
 )
 from .rotate import rotate_into_shared, rotate_loaded_into_shared, rotation_loads
@@ -185,6 +187,10 @@ class MoEGemmConfig:
     # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that with
     # ``weights_before_wait`` its weight copies still go out before its PDL wait.
     awaits_block_expert: bool = False
+    # Once the CTA knows its block's expert, its threads ask the L2 for the scales its fused tail will read there
+    # (``moe_rotate.prefetch_block_scales_l2``): the fused intermediate's gate/up svh and down suh (mRot), the fused
+    # top-k sum's down_svh, of its 128-column block; otherwise the tail's last CTA loads them from DRAM.
+    prefetch_scales: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -204,6 +210,8 @@ class MoEGemmConfig:
             raise ValueError("writes_routes is for the gate/up GEMM that chooses its route")
         if self.awaits_block_expert and self.topk_sum is None:
             raise ValueError("awaits_block_expert is for the one-token down GEMM (the fused top-k sum)")
+        if self.prefetch_scales and not (self.intermediate_splits or self.topk_sum is not None):
+            raise ValueError("prefetch_scales is for a GEMM with a fused tail (the intermediate or the top-k sum)")
         if self.smem_pad % 16 or self.smem_pad < 0:
             raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
         if self.gating != SILU_GATING and not self.intermediate_splits:
@@ -410,6 +418,13 @@ class MoEGemm(DecodeGemmKernel):
             words = self.plan.words_per_tile
             plane = (bn * cfg.warps) // n_col_tiles
             col_tile0 = bn * cfg.warps - plane * n_col_tiles
+            if cutlass.const_expr(cfg.prefetch_scales and cfg.intermediate_splits > 0):
+                planes = cfg.gating.planes  # gate svh, up svh, down suh (, the biases): I_p columns each
+                prefetch_block_scales_l2(mRot, p, col_tile0 // 8, planes, mRot.shape[1] // planes, tid)
+            if cutlass.const_expr(cfg.prefetch_scales and cfg.topk_sum is not None):
+                svh_row = svh_row_of(mSvhRow, expert, cfg.topk_sum.svh_by_expert)
+                prefetch_block_scales_l2(mSvh, svh_row, col_tile0 // 8, 1 + cfg.topk_sum.biased, mSvh.shape[1] // 2,
+                                         tid)
             w_base = mW.iterator.toint() + Int64(plane * mW.shape[1] + p) * k_tiles * n_col_tiles * words * 4
             k_begin = split * k_tiles_per_split
             k_end = cutlass.min(k_begin + k_tiles_per_split, k_tiles)

@@ -905,3 +905,38 @@ def test_gate_up_gemm_loads_its_prologue_before_its_weights(arch):
     for bad in (dict(input=None, resident_k_tiles=0), dict(resident_rows=2)):
         with pytest.raises(ValueError, match="early_prologue_loads"):
             dataclasses.replace(resident, early_prologue_loads=True, **bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_scale_prefetch_asks_the_l2_for_the_scales_only_where_asked(arch, monkeypatch):
+    """moe_configs.SCALE_PREFETCH (E=128 top-8 2048x768 K=4 mcg): at each M every kernel that reads the scales behind
+    an index chain holds one L2 prefetch loop or line (the input rotation: gate and up suh; the top-k sum: down_svh,
+    both before their PDL wait, which still comes before any global load; the fused tails: one line a thread), and
+    none without the setting. A fused tail's prefetch needs a tail."""
+    from exl3tool.ops.moe_configs import GroupShape, LayerShape
+
+    layer = LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048, (GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
+    want = {"input rotation": 2, "gate/up": 1, "down": 1, "top-k sum": 1}
+    seen = set()
+    for m in (1, 16):
+        monkeypatch.setattr(moe_configs, "SCALE_PREFETCH", moe_configs.SCALE_PREFETCH_ROLES)
+        on = moe_configs.step_configs(layer, m, False, arch, 132, "float16", "float16").kernels()
+        monkeypatch.setattr(moe_configs, "SCALE_PREFETCH", ())
+        off = moe_configs.step_configs(layer, m, False, arch, 132, "float16", "float16").kernels()
+        for (role, config), (_, plain) in zip(on, off):
+            if role == "route":
+                continue
+            ptx, plain_ptx = ptx_of(config, arch), ptx_of(plain, arch)
+            assert "prefetch.global.L2" not in plain_ptx, (m, role)
+            if role in want and config != plain:
+                seen.add(role)
+                assert ptx.count("prefetch.global.L2") == want[role], (m, role)
+                if role in ("input rotation", "top-k sum"):
+                    assert ptx.index("prefetch.global.L2") < ptx.index(PDL_WAIT)
+                    assert_waits_before_global_access(ptx, arch)
+    assert seen == set(want)
+    with pytest.raises(ValueError):
+        dataclasses.replace(gemm_config(4.0, "mcg", 1, 8), prefetch_scales=True)
+    monkeypatch.setattr(moe_configs, "SCALE_PREFETCH", ("tail",))
+    with pytest.raises(ValueError, match="SCALE_PREFETCH"):
+        moe_configs.step_configs(layer, 16, False, arch, 132, "float16", "float16")

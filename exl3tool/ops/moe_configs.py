@@ -258,6 +258,13 @@ CONTIGUOUS_GROUP_ROWS = True
 # (0.8-1.5 at M=64-384). The ranking is now a histogram of the counts (``order_longest_first``), not measured yet.
 # 0: off (docs/perf.md, seventy-fifth session).
 LONGEST_FIRST_MIN_TOKENS = 0
+# Small per-expert scale tables read at the end of a chain of index loads, asked of the L2 before they are needed (L2
+# lines, hints only: no result changes): "rotation" every expert's gate/up suh before the input rotation's wait
+# (RouteInputRotationConfig.prefetch_suh), "tails" a CTA's fused tail's scales once it knows its expert
+# (MoEGemmConfig.prefetch_scales: the fused intermediate's svh/suh, the one-token top-k sum's down_svh), "sum" every
+# expert's down_svh before the top-k sum launch's wait (TopKSumConfig.prefetch_svh). Not measured yet: off.
+SCALE_PREFETCH: tuple[str, ...] = ()
+SCALE_PREFETCH_ROLES = ("rotation", "tails", "sum")
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
@@ -714,7 +721,27 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             route = replace(route, logits_only=True)
             groups = [replace(g, gate_up=replace(g.gate_up, route=route, writes_routes=i == 0),
                               down=replace(g.down, awaits_block_expert=True)) for i, g in enumerate(groups)]
-    return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
+    return with_scale_prefetch(StepConfigs(s, route, tuple(groups), None if topk_fused else topk))
+
+
+def with_scale_prefetch(c: StepConfigs) -> StepConfigs:
+    """``c`` with the L2 prefetches of SCALE_PREFETCH's roles."""
+    unknown = set(SCALE_PREFETCH) - set(SCALE_PREFETCH_ROLES)
+    if unknown:
+        raise ValueError(f"SCALE_PREFETCH roles are {', '.join(SCALE_PREFETCH_ROLES)}, not {', '.join(sorted(unknown))}")
+    groups = []
+    for g in c.groups:
+        if "rotation" in SCALE_PREFETCH and g.rotation is not None:
+            g = replace(g, rotation=replace(g.rotation, prefetch_suh=True))
+        if "tails" in SCALE_PREFETCH and g.gate_up.intermediate_splits:
+            g = replace(g, gate_up=replace(g.gate_up, prefetch_scales=True))
+        if "tails" in SCALE_PREFETCH and g.down.topk_sum is not None:
+            g = replace(g, down=replace(g.down, prefetch_scales=True))
+        groups.append(g)
+    topk = c.topk
+    if "sum" in SCALE_PREFETCH and topk is not None:
+        topk = replace(topk, prefetch_svh=True)
+    return replace(c, groups=tuple(groups), topk=topk)
 
 
 def down_cap(tokens: int, ctas: int, sm_count: int) -> int | None:
