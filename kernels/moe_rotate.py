@@ -463,15 +463,31 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
     ``row_pair`` (n = 8) the two half-warps take the same blocks of two rows instead (``row``: each lane's own), and
     a lane stores only where ``live`` holds (None: always). Every block's loads are issued first. The
     ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
-    inter_p = mRot.shape[1] // gating.planes  # X2 rows hold x_row_halves(inter_p) fp16
+    loaded = intermediate_loads(mP, mRot, row, p, block, lane, splits, blocks, n, gating, row_pair)
+    intermediate_finish(loaded, mRot, mX2, row, lane, inter_true, x_order, n, gating, live)
+
+
+def intermediate_loads(mP, mRot, row, p, block, lane, splits: int, blocks: int = 1, n: int = 4,
+                       gating: Gating = SILU_GATING, row_pair: bool = False, scales=None):
+    """``intermediate_row``'s loads: per block its column, scales (``scales``: a list of them already loaded for the
+    same p and blocks, e.g. another row's) and every split's partials of both planes."""
+    inter_p = mRot.shape[1] // gating.planes
     lanes = 128 // n  # lanes a block
     loaded = []
-    for j in range(0, blocks, 1 if row_pair else n // 4):
+    for i, j in enumerate(range(0, blocks, 1 if row_pair else n // 4)):
         col0 = lane_column(block + j + (0 if row_pair else lane // lanes), lane, n)
         # gate svh, up svh, down suh (, gate bias, up bias)
-        scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(gating.planes)]
+        scale = scales[i][1] if scales is not None else [load_row(mRot, p, plane * inter_p + col0, n)
+                                                         for plane in range(gating.planes)]
         parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
-        loaded.append((col0, scales, parts))
+        loaded.append((col0, scale, parts))
+    return loaded
+
+
+def intermediate_finish(loaded, mRot, mX2, row, lane, inter_true, x_order: str, n: int = 4,
+                        gating: Gating = SILU_GATING, live=None):
+    """``intermediate_row``'s rotations and X2 stores from its ``intermediate_loads``."""
+    inter_p = mRot.shape[1] // gating.planes  # X2 rows hold x_row_halves(inter_p) fp16
     fold = gating.folds_scale
     for col0, scales, parts in loaded:
         gate_svh, up_svh, down_suh = scales[:3]
@@ -600,8 +616,8 @@ def prefetch_block_scales_l2(mScale: cute.Tensor, row, block, planes: int, plane
     """The L2 lines of the 128 fp16 columns from ``block * 128`` of each of ``planes`` planes (``plane_cols``
     columns apart) of row ``row`` of the contiguous matrix ``mScale``: share ``pick`` of their ``3 * planes``
     (a 256-byte run touches at most 3 lines; a line asked for twice costs nothing), so that every thread of a CTA
-    issues one prefetch and none is predicated off. Issued when a CTA learns its expert, long before its fused
-    tail (the Intermediate's or the top-k sum's) reads those scales."""
+    issues one prefetch and none is predicated off. Issued by each CTA of a fused tail's group as it arrives, so
+    that the last one's tail (the Intermediate's or the top-k sum's) finds them in the L2."""
     slot = pick % (3 * planes)
     plane = slot // 3
     offset = cutlass.min((slot - plane * 3) * LINE_BYTES, 255)

@@ -940,3 +940,37 @@ def test_scale_prefetch_asks_the_l2_for_the_scales_only_where_asked(arch, monkey
     monkeypatch.setattr(moe_configs, "SCALE_PREFETCH", ("tail",))
     with pytest.raises(ValueError, match="SCALE_PREFETCH"):
         moe_configs.step_configs(layer, 16, False, arch, 132, "float16", "float16")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("tokens", [2, 16, 128, 256])
+def test_fused_tail_issues_every_load_before_its_first_store(arch, tokens, monkeypatch):
+    """moe_configs.TAIL_LOADS_FIRST (E=128 top-8 2048x768 K=4 mcg: resident rows, 8-, 16- and 32-row blocks in row
+    pairs): after the fused intermediate's arrival every load of the tail (routes, partials, scales) comes before its
+    first store and no branch separates them, so the tail waits one round trip; row by row, a branch on each row's
+    route and the stores before the next row's loads split them."""
+    from exl3tool import sass
+    from exl3tool.ops.moe_configs import GroupShape, LayerShape
+
+    layer = LayerShape(MoERouteConfig("softmax_topk", 128, 8), 2048, (GroupShape(4.0, "mcg", 4.0, "mcg", 768),))
+    monkeypatch.setattr(moe_configs, "TAIL_LOADS_FIRST", True)
+    gate_up = moe_configs.step_configs(layer, tokens, False, arch, 132, "float16", "float16").groups[0].gate_up
+    assert gate_up.tail_loads_first and gate_up.intermediate_splits
+
+    def tail(config):
+        """Loads, stores and branches between count_in's atomic and the ready signal's (or the end)."""
+        (k,) = sass.analyze_cubin(sass.compile_cubin(lambda o: moe_kernels.BUILDERS[MoEGemmConfig](config, o), arch))
+        ops = [i.opcode.split(".")[0] for i in k.instructions]
+        atomics = [i for i, op in enumerate(ops) if op == "ATOMG"] + [len(ops)]  # no ready signal: to the end
+        return [op for op in ops[atomics[0] + 1:atomics[1]] if op in ("LDG", "STG", "BRA")]
+
+    def behind_a_branch(ops):  # a load after a branch
+        last_load = max(i for i, op in enumerate(ops) if op == "LDG")
+        return "BRA" in ops[:last_load]
+
+    first, by_row = tail(gate_up), tail(dataclasses.replace(gate_up, tail_loads_first=False))
+    assert "LDG" not in first[first.index("STG"):] and not behind_a_branch(first), first
+    assert behind_a_branch(by_row), by_row
+    with pytest.raises(ValueError):
+        dataclasses.replace(gate_up, tail_loads_first=True, intermediate_splits=0, ready_signal=False,
+                            tail_row_pairs=False)

@@ -260,10 +260,15 @@ CONTIGUOUS_GROUP_ROWS = True
 LONGEST_FIRST_MIN_TOKENS = 0
 # Small per-expert scale tables read at the end of a chain of index loads, asked of the L2 before they are needed (L2
 # lines, hints only: no result changes): "rotation" every expert's gate/up suh before the input rotation's wait
-# (RouteInputRotationConfig.prefetch_suh), "tails" a CTA's fused tail's scales once it knows its expert
-# (MoEGemmConfig.prefetch_scales: the fused intermediate's svh/suh, the one-token top-k sum's down_svh), "sum" every
-# expert's down_svh before the top-k sum launch's wait (TopKSumConfig.prefetch_svh). Not measured yet: off.
+# (RouteInputRotationConfig.prefetch_suh), "tails" a fused tail's scales by each CTA as it arrives at the tail's
+# counter (MoEGemmConfig.prefetch_scales: the fused intermediate's svh/suh, the one-token top-k sum's down_svh),
+# "sum" every expert's down_svh before the top-k sum launch's wait (TopKSumConfig.prefetch_svh). Not measured: off.
 SCALE_PREFETCH: tuple[str, ...] = ()
+# The fused intermediate's last CTA loads its warps' rows' routes, partials and scales at once
+# (MoEGemmConfig.tail_loads_first) instead of row by row behind each row's route: the s74 trace (H100) had that tail
+# at 3.36 us median at M=16 (one row a warp) and 5.70 at M=256 (two row pairs), holding the block's down CTAs and an
+# SM slot. Not measured yet: off.
+TAIL_LOADS_FIRST = False
 SCALE_PREFETCH_ROLES = ("rotation", "tails", "sum")
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
@@ -705,6 +710,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         g13 = resident13 or replace(g13, weights_before_wait=early13)
         if s.fused_intermediate and s.block_rows in FUSED_TAIL_ROW_PAIRS and g13.tail_rows_per_warp % 2 == 0:
             g13 = replace(g13, tail_row_pairs=True)
+        if TAIL_LOADS_FIRST and g13.intermediate_splits and not (g13.input is not None and g13.resident_rows == 1):
+            g13 = replace(g13, tail_loads_first=True)
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
@@ -728,7 +735,8 @@ def with_scale_prefetch(c: StepConfigs) -> StepConfigs:
     """``c`` with the L2 prefetches of SCALE_PREFETCH's roles."""
     unknown = set(SCALE_PREFETCH) - set(SCALE_PREFETCH_ROLES)
     if unknown:
-        raise ValueError(f"SCALE_PREFETCH roles are {', '.join(SCALE_PREFETCH_ROLES)}, not {', '.join(sorted(unknown))}")
+        raise ValueError(f"SCALE_PREFETCH roles are {', '.join(SCALE_PREFETCH_ROLES)}, "
+                         f"not {', '.join(sorted(unknown))}")
     groups = []
     for g in c.groups:
         if "rotation" in SCALE_PREFETCH and g.rotation is not None:
