@@ -264,12 +264,12 @@ LONGEST_FIRST_MIN_TOKENS = 0
 # counter (MoEGemmConfig.prefetch_scales: the fused intermediate's svh/suh, the one-token top-k sum's down_svh),
 # "sum" every expert's down_svh before the top-k sum launch's wait (TopKSumConfig.prefetch_svh). Not measured: off.
 SCALE_PREFETCH: tuple[str, ...] = ()
+SCALE_PREFETCH_ROLES = ("rotation", "tails", "sum")
 # The fused intermediate's last CTA loads its warps' rows' routes, partials and scales at once
 # (MoEGemmConfig.tail_loads_first) instead of row by row behind each row's route: the s74 trace (H100) had that tail
 # at 3.36 us median at M=16 (one row a warp) and 5.70 at M=256 (two row pairs), holding the block's down CTAs and an
 # SM slot. Not measured yet: off.
 TAIL_LOADS_FIRST = False
-SCALE_PREFETCH_ROLES = ("rotation", "tails", "sum")
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
