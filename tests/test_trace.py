@@ -57,6 +57,11 @@ def test_report_spreads_points_and_phases():
     assert s["gate/up"]["last loop+P"] == ["13.00"] * 5
     assert s["gate/up"]["d loop"] == ["4.50", "4.50", "6.00", "7.50", "7.50"]
     assert s["gate/up"]["d tail"] == ["0.50"] * 5
+    # the last CTAs' own: gate/up's arrived 1.0 after its loop and ended 0.5 after; down's 1.0 and 2.0; the route's
+    # top-k 1.0 after its arrival, its end 1.0 after that
+    assert s["gate/up"]["last d arrive"] == ["1.00"] * 5 and s["gate/up"]["last d tail"] == ["0.50"] * 5
+    assert s["down"]["last d arrive"] == ["1.00"] * 5 and s["down"]["last d tail"] == ["2.00"] * 5
+    assert s["route"]["last d tail"] == ["1.00"] * 5
     assert s["gate/up"]["prologue"] == ["6.00", "6.00", "7.50", "9.00", "9.00"]
     assert s["gate/up"]["d prologue"] == ["0.50", "0.50", "2.00", "3.50", "3.50"]
     assert s["down"]["prologue"] == ["-"] and s["down"]["d prologue"] == ["-"]  # down stamps none

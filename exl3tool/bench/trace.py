@@ -11,9 +11,9 @@ that prologue is done), and its SM id with a "last to arrive" flag. Outside it t
 report takes the last of MOE_COPIES L2-cold calls of one graph replay of the synthetic Qwen3-30B-A3B-shaped layer
 (as ``exl3tool.bench.ab``'s moe:M case), in us from the route's first entry: each point's spread over the CTAs that
 did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
-phase's length a CTA, the CTAs an SM (in all and at once), the CTAs without a route block, where the GEMMs' CTA
-slots went (``slot_budget``) and each GEMM's main loops by when they started (``waves``). One expert group's GEMMs
-(the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
+phase's length a CTA (the last CTAs' arrival and tail apart too), the CTAs an SM (in all and at once), the CTAs
+without a route block, where the GEMMs' CTA slots went (``slot_budget``) and each GEMM's main loops by when they
+started (``waves``). One expert group's GEMMs (the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
 ``--save DIR`` also writes each M's raw stamps (``trace-m{M}.npz``: ``stamps``, ``us``, ``tokens``, ``device``), so
 that a later question about the same call (a CTA's own timeline, a histogram) needs no device time: ``--load``
 prints their report again, and ``load()`` gives the arrays.
@@ -135,6 +135,10 @@ def report(stamps: np.ndarray) -> list[str]:
                 continue
             took = [(y - x) / 1000.0 for x, y in zip(live[:, a], live[:, b]) if x >= t0 and y >= x]
             out.append(f"  {'d ' + phase:14s}{spread(took)}")
+        for phase, a, b in PHASES:  # the last CTAs' own arrivals and tails (the fused tails' work)
+            if phase in ("arrive", "tail") and len(last):
+                took = [(y - x) / 1000.0 for x, y in zip(last[:, a], last[:, b]) if x >= t0 and y >= x]
+                out.append(f"  {'last d ' + phase:14s}{spread(took)}")
     return out + slot_budget(stamps, t0)
 
 
