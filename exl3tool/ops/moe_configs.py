@@ -41,6 +41,10 @@ ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the
 # -> 11.0 / 11.1 (kept at 4).
 WIDE_ROTATION_PAIRS_PER_SM, WIDE_ROTATION = 64, (8, 4)
 SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA (at most; sum_blocks_per_cta)
+# sum_blocks_per_cta takes more blocks a CTA only while this many CTAs an SM remain. At M=256 (E=128 top-8 hidden
+# 2048) 4 blocks would leave 7.8, so it takes 2: 2048 CTAs of 8 warps, two waves at 8 an SM; 4 would be one wave of
+# 1024 (not measured: an A/B's SUM_MIN_CTAS_PER_SM = 7).
+SUM_MIN_CTAS_PER_SM = 8
 # The Intermediate launch takes up to this many 128-column blocks of a packed row per warp (moe_rotate: the row's
 # index lookups once, every block's loads issued before the first butterfly), by the gate/up partials' dtype. fp32:
 # H200, E=128 top-8 2048x768 K=4 mcg (6 blocks), layer graph, two rounds, y bit-identical, Intermediate kernel us
@@ -479,7 +483,7 @@ def sum_blocks_per_cta(tokens: int, col_blocks: int, sm_count: int) -> int:
     us: M=4096 110.5 -> 86.3 with 4 (2: 95.9); M=256 (4 would leave 7.8 CTAs an SM) 8.70 -> 7.74 with 2, layer
     242.12 -> 241.45, y bit-identical (docs/perf.md, s36); M=16, 4 CTAs of 4 blocks instead of 16: 2.6 -> 3.3."""
     per_cta = SUM_BLOCKS_PER_CTA
-    while per_cta > 1 and tokens * col_blocks < 8 * per_cta * sm_count:
+    while per_cta > 1 and tokens * col_blocks < SUM_MIN_CTAS_PER_SM * per_cta * sm_count:
         per_cta //= 2
     return per_cta
 
