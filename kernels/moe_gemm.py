@@ -74,11 +74,7 @@ from .moe_rotate import (
     TopKSumConfig,
     check_launch_fields,
     group_row_of,
-    intermediate_finish,
-    intermediate_loads,
     intermediate_row,
-    prefetch_block_scales_l2,
-    svh_row_of,
     topk_sum_block,
 )
 from .rotate import rotate_into_shared, rotate_loaded_into_shared, rotation_loads
@@ -175,9 +171,6 @@ class MoEGemmConfig:
     # The fused intermediate two rows a warp at a time (``intermediate_row``'s row pairs: 8 values a lane, a row a
     # half-warp; the same bits), where a warp has an even number of the block's rows.
     tail_row_pairs: bool = False
-    # The fused intermediate issues every load of the warp's rows first (``fused_tail_loads_first``: their routes,
-    # partials and the block's scales in one round trip), where row by row each row's partials waited for its route.
-    tail_loads_first: bool = False
     # Bytes of shared memory a CTA holds and never touches (a multiple of 16): fewer CTAs fit an SM, so that a grid
     # launched beside another kernel's last CTAs spreads over more SMs (moe_configs.spread_pad).
     smem_pad: int = 0
@@ -192,12 +185,6 @@ class MoEGemmConfig:
     # GEMM has written it (-1 before; written in its prologue, long before this kernel launches), so that with
     # ``weights_before_wait`` its weight copies still go out before its PDL wait.
     awaits_block_expert: bool = False
-    # As it arrives at its fused tail's counter each CTA asks the L2 for the scales of its 128-column block that the
-    # tail reads (``moe_rotate.prefetch_block_scales_l2``): the fused intermediate's gate/up svh and down suh (mRot),
-    # the fused top-k sum's down_svh of its expert. The first CTAs to arrive ask while the last one still loops, so
-    # the tail, which the last one runs, finds them in the L2 instead of going to DRAM behind the weight stream.
-    # (At the CTA's start instead, ptxas gave sm_90a's 16-row gate/up 64 registers instead of 46: 4 CTAs an SM, not 5.)
-    prefetch_scales: bool = False
 
     def __post_init__(self):
         if self.planes not in (1, 2):
@@ -217,11 +204,6 @@ class MoEGemmConfig:
             raise ValueError("writes_routes is for the gate/up GEMM that chooses its route")
         if self.awaits_block_expert and self.topk_sum is None:
             raise ValueError("awaits_block_expert is for the one-token down GEMM (the fused top-k sum)")
-        if self.tail_loads_first and (not self.intermediate_splits or (self.input is not None
-                                                                        and self.resident_rows == 1)):
-            raise ValueError("tail_loads_first is for the fused intermediate of route blocks (not one row of x)")
-        if self.prefetch_scales and not (self.intermediate_splits or self.topk_sum is not None):
-            raise ValueError("prefetch_scales is for a GEMM with a fused tail (the intermediate or the top-k sum)")
         if self.smem_pad % 16 or self.smem_pad < 0:
             raise ValueError("smem_pad must be a non-negative multiple of 16 bytes")
         if self.gating != SILU_GATING and not self.intermediate_splits:
@@ -545,9 +527,6 @@ class MoEGemm(DecodeGemmKernel):
 
             if cutlass.const_expr(cfg.intermediate_splits > 0):
                 block = col_tile0 // 8  # 128-column block of I (both planes count in at the same one)
-                if cutlass.const_expr(cfg.prefetch_scales):
-                    planes = cfg.gating.planes  # gate svh, up svh, down suh (, the biases): I_p columns each
-                    prefetch_block_scales_l2(mRot, p, block, planes, mRot.shape[1] // planes, tid)
                 counter = mCounter.iterator.toint() + (Int64(blk) * (n_col_tiles // 8) + block) * 4
                 ptx.count_in(counter, 2 * (8 // cfg.warps) * cfg.intermediate_splits, sLast, 0, tid)
                 ptx.trace_stamp(region, ptx.TRACE_ARRIVED)
@@ -556,9 +535,6 @@ class MoEGemm(DecodeGemmKernel):
                         if warp == 0:  # the block's one route (its row_route may not be written yet)
                             intermediate_row(mP, mRot, mX2, tok0, p, block, lane, inter_true,
                                              cfg.intermediate_splits, cfg.x2_order, gating=cfg.gating)
-                    elif cutlass.const_expr(cfg.tail_loads_first):
-                        fused_tail_loads_first(cfg, mP, mRot, mX2, mRowRoute, sRoute, tok0, p, block, warp, lane,
-                                               inter_true)
                     elif cutlass.const_expr(cfg.tail_row_pairs):
                         half = lane // 16
                         for r in cutlass.range_constexpr(cfg.tail_rows_per_warp // 2):
@@ -584,9 +560,6 @@ class MoEGemm(DecodeGemmKernel):
 
             if cutlass.const_expr(cfg.topk_sum is not None):
                 block = col_tile0 // 8  # 128-column block of the hidden dim: every route, split and group counts in
-                if cutlass.const_expr(cfg.prefetch_scales):
-                    svh_row = svh_row_of(mSvhRow, expert, cfg.topk_sum.svh_by_expert)
-                    prefetch_block_scales_l2(mSvh, svh_row, block, 1 + cfg.topk_sum.biased, mSvh.shape[1] // 2, tid)
                 counter = mSumCounter.iterator.toint() + Int64(block) * 4
                 ptx.count_in(counter, cfg.topk_sum.routes_per_token * (8 // cfg.warps) * cfg.topk_sum.splits, sLast,
                              0, tid)
@@ -662,37 +635,6 @@ def write_routes(mine: Int32, w: Float32, gate: Float32, mIds: cute.Tensor, mWei
                 mWeights[0, k] = gate
                 mRank[k] = Int32(0)
                 ptx.st_release_u32(mBlockExpert.iterator.toint() + Int64(k) * 4, Int32(n))
-
-
-@cute.jit
-def fused_tail_loads_first(cfg: cutlass.Constexpr, mP: cute.Tensor, mRot: cute.Tensor, mX2: cute.Tensor,
-                           mRowRoute: cute.Tensor, sRoute: cute.Tensor, tok0: Int32, p: Int32, block: Int32,
-                           warp: Int32, lane: Int32, inter_true: Int32):
-    """The fused intermediate of the warp's rows of the block (``tail_rows_per_warp``, in row pairs with
-    ``tail_row_pairs``) with every load issued first: each row's route, every row's partials (padding rows' too:
-    inside P) and the block's scales once, then row by row the rotations, and the stores of the rows that hold
-    routes. No branch on a route: ptxas sank loads used only behind one into it, after the route's round trip.
-    Row by row, a row's partials waited for its route's round trip, and a row's for the stores before them (a
-    store may alias a later load for all the compiler knows). The same arithmetic: X2 is bit-identical."""
-    per = 2 if cfg.tail_row_pairs else 1  # rows an intermediate_row call
-    n = 8 if cfg.tail_row_pairs else 4
-    half = lane // 16
-    calls = []
-    for r in cutlass.range_constexpr(cfg.tail_rows_per_warp // per):
-        slots = [(per * r + h) * cfg.warps + warp for h in range(per)]
-        routes = [tail_route(cfg, mRowRoute, sRoute, tok0 + slot, slot) for slot in slots]
-        row, route = tok0 + slots[0], routes[0]
-        if cutlass.const_expr(cfg.tail_row_pairs):  # a half-warp a row
-            row = tok0 + cutlass.select_(half == 0, slots[0], slots[1])
-            route = cutlass.select_(half == 0, routes[0], routes[1])
-        calls.append((row, route))
-    loaded = []
-    for i in cutlass.range_constexpr(len(calls)):
-        loaded.append(intermediate_loads(mP, mRot, calls[i][0], p, block, lane, cfg.intermediate_splits, 1, n,
-                                         cfg.gating, cfg.tail_row_pairs, loaded[0] if i > 0 else None))
-    for i in cutlass.range_constexpr(len(calls)):
-        row, route = calls[i]
-        intermediate_finish(loaded[i], mRot, mX2, row, lane, inter_true, cfg.x2_order, n, cfg.gating, route >= 0)
 
 
 def tail_route(cfg: MoEGemmConfig, mRowRoute: cute.Tensor, sRoute: cute.Tensor, row, slot):

@@ -176,9 +176,6 @@ class RouteInputRotationConfig:
     early_next: bool = False  # PDL: let the gate/up GEMM launch right after this kernel's wait
     group_first: int = -1  # >= 0: the group's experts are consecutive ids from this one (group_row_of: no table)
     min_ctas_per_sm: int = 0  # > 0: launch bounds asking ptxas for this many CTAs an SM (ptx.occupancy_bounds)
-    # Before its wait the launch asks the L2 for every expert's gate and up suh (prefetch_matrix_l2): a route's suh
-    # load comes after its id's and its row's round trips.
-    prefetch_suh: bool = False
 
     def __post_init__(self):
         check_lane_values(self.lane_values)
@@ -226,8 +223,6 @@ class RouteInputRotation:
         """Warp w of CTA (b, t): block 4b + w of routes 8t .. 8t+7. The MMAs' 16 rows are route 8t + g's two
         planes: thread (g, q) holds x * gate_suh as row g and x * up_suh as row g + 8, of the block the run of
         quad q (``hadamard_mma.run_column``), so it loads x and its route's indices once."""
-        if cutlass.const_expr(self.cfg.prefetch_suh):
-            prefetch_suh_l2(mGateSuh, mUpSuh)
         ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         k, shift = self.cfg.routes_per_token, self.cfg.suh_shift
         tid, _, _ = cute.arch.thread_idx()
@@ -268,8 +263,6 @@ class RouteInputRotation:
     def kernel(self, mX: cute.Tensor, mGateSuh: cute.Tensor, mUpSuh: cute.Tensor, mXr: cute.Tensor,
                mIds: cute.Tensor, mRank: cute.Tensor, mExpertRow: cute.Tensor, mGroupRow: cute.Tensor,
                mRowRoute: cute.Tensor, mRouteRow: cute.Tensor):
-        if cutlass.const_expr(self.cfg.prefetch_suh):
-            prefetch_suh_l2(mGateSuh, mUpSuh)
         ptx.wait_for_prior_kernels(self.cfg.early_next)  # PDL: the kernel before this one has finished
         k, per_warp, n = self.cfg.routes_per_token, self.cfg.slots_per_warp, self.cfg.lane_values
         tid, _, _ = cute.arch.thread_idx()
@@ -312,23 +305,6 @@ class RouteInputRotation:
                     if block == 0 and lane == 0:
                         mRowRoute[row] = route
                         mRouteRow[route] = row
-
-
-def launch_thread() -> tuple[Int32, Int32]:
-    """(this thread's index in the launch, the launch's threads)."""
-    tid, _, _ = cute.arch.thread_idx()
-    bx, by, bz = cute.arch.block_idx()
-    gx, gy, gz = cute.arch.grid_dim()
-    threads, _, _ = cute.arch.block_dim()
-    return ((bz * gy + by) * gx + bx) * threads + tid, gx * gy * gz * threads
-
-
-@cute.jit
-def prefetch_suh_l2(mGateSuh: cute.Tensor, mUpSuh: cute.Tensor):
-    """Every expert's gate and up suh into the L2, shared by the launch's threads (``prefetch_matrix_l2``)."""
-    thread, threads = launch_thread()
-    prefetch_matrix_l2(mGateSuh, thread, threads)
-    prefetch_matrix_l2(mUpSuh, thread, threads)
 
 
 PARTIALS_DTYPES = ("float32", "float16")  # the GEMMs' fp32 accumulators, stored as they are or rounded to fp16
@@ -463,31 +439,15 @@ def intermediate_row(mP, mRot, mX2, row, p, block, lane, inter_true, splits: int
     ``row_pair`` (n = 8) the two half-warps take the same blocks of two rows instead (``row``: each lane's own), and
     a lane stores only where ``live`` holds (None: always). Every block's loads are issued first. The
     ``Intermediate`` kernel's whole work, and the gate/up GEMM's fused tail (``moe_gemm``). Traced inline."""
-    loaded = intermediate_loads(mP, mRot, row, p, block, lane, splits, blocks, n, gating, row_pair)
-    intermediate_finish(loaded, mRot, mX2, row, lane, inter_true, x_order, n, gating, live)
-
-
-def intermediate_loads(mP, mRot, row, p, block, lane, splits: int, blocks: int = 1, n: int = 4,
-                       gating: Gating = SILU_GATING, row_pair: bool = False, scales=None):
-    """``intermediate_row``'s loads: per block its column, scales (``scales``: a list of them already loaded for the
-    same p and blocks, e.g. another row's) and every split's partials of both planes."""
-    inter_p = mRot.shape[1] // gating.planes
+    inter_p = mRot.shape[1] // gating.planes  # X2 rows hold x_row_halves(inter_p) fp16
     lanes = 128 // n  # lanes a block
     loaded = []
-    for i, j in enumerate(range(0, blocks, 1 if row_pair else n // 4)):
+    for j in range(0, blocks, 1 if row_pair else n // 4):
         col0 = lane_column(block + j + (0 if row_pair else lane // lanes), lane, n)
         # gate svh, up svh, down suh (, gate bias, up bias)
-        scale = scales[i][1] if scales is not None else [load_row(mRot, p, plane * inter_p + col0, n)
-                                                         for plane in range(gating.planes)]
+        scales = [load_row(mRot, p, plane * inter_p + col0, n) for plane in range(gating.planes)]
         parts = [split_values(mP, row, plane * inter_p + col0, splits, n) for plane in range(2)]
-        loaded.append((col0, scale, parts))
-    return loaded
-
-
-def intermediate_finish(loaded, mRot, mX2, row, lane, inter_true, x_order: str, n: int = 4,
-                        gating: Gating = SILU_GATING, live=None):
-    """``intermediate_row``'s rotations and X2 stores from its ``intermediate_loads``."""
-    inter_p = mRot.shape[1] // gating.planes  # X2 rows hold x_row_halves(inter_p) fp16
+        loaded.append((col0, scales, parts))
     fold = gating.folds_scale
     for col0, scales, parts in loaded:
         gate_svh, up_svh, down_suh = scales[:3]
@@ -543,9 +503,6 @@ class TopKSumConfig:
     # down_svh's row of each expert is its id (one group of every expert in order, the shared one after them): the
     # svh_row table is not read between a slot's expert and its scale loads
     svh_by_expert: bool = False
-    # Before its wait the launch asks the L2 for every expert's down_svh (prefetch_matrix_l2): a slot's svh load
-    # comes after its id's round trip.
-    prefetch_svh: bool = False
 
     def __post_init__(self):
         check_partials(self.partials, self.splits)
@@ -566,9 +523,6 @@ class TopKSum:
     @cute.kernel
     def kernel(self, mP: cute.Tensor, mSvh: cute.Tensor, mSvhRow: cute.Tensor, mIds: cute.Tensor,
                mW: cute.Tensor, mRouteRow: cute.Tensor, mY: cute.Tensor):
-        if cutlass.const_expr(self.cfg.prefetch_svh):
-            thread, threads = launch_thread()
-            prefetch_matrix_l2(mSvh, thread, threads)
         ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
         k, per_cta = self.cfg.routes_per_token, self.cfg.blocks_per_cta
         tid, _, _ = cute.arch.thread_idx()
@@ -593,36 +547,6 @@ class TopKSum:
         for b in cutlass.range(warp, per_cta, self.warps):
             store_token_block(sTerm, b * k * 128, k, mY, tok, (group * per_cta + b) * 128, lane,
                               self.cfg.out_dtype)
-
-
-LINE_BYTES = 128  # an L2 line
-
-
-@cute.jit
-def prefetch_matrix_l2(m: cute.Tensor, thread: Int32, threads: Int32):
-    """Every L2 line of the contiguous fp16 matrix ``m``, shared by a launch's ``threads`` threads (``thread``: this
-    one's index): a per-expert scale table (suh, svh: 0.5-1 MB) that the kernel reads behind a chain of index
-    loads after its wait, L2-cold in a model (the layers' weights pass through the L2 in between), so that the
-    chain's last load finds it in the L2 instead of going on to DRAM."""
-    base = m.iterator.toint()
-    first = base // LINE_BYTES * LINE_BYTES
-    end = base + Int64(m.shape[0]) * m.shape[1] * 2
-    lines = Int32((end - first + LINE_BYTES - 1) // LINE_BYTES)
-    for line in cutlass.range(thread, lines, threads):
-        ptx.prefetch_l2_line(first + Int64(line) * LINE_BYTES)
-
-
-def prefetch_block_scales_l2(mScale: cute.Tensor, row, block, planes: int, plane_cols, pick):
-    """The L2 lines of the 128 fp16 columns from ``block * 128`` of each of ``planes`` planes (``plane_cols``
-    columns apart) of row ``row`` of the contiguous matrix ``mScale``: share ``pick`` of their ``3 * planes``
-    (a 256-byte run touches at most 3 lines; a line asked for twice costs nothing), so that every thread of a CTA
-    issues one prefetch and none is predicated off. Issued by each CTA of a fused tail's group as it arrives, so
-    that the last one's tail (the Intermediate's or the top-k sum's) finds them in the L2."""
-    slot = pick % (3 * planes)
-    plane = slot // 3
-    offset = cutlass.min((slot - plane * 3) * LINE_BYTES, 255)
-    ptx.prefetch_l2_line(mScale.iterator.toint() + (Int64(row) * mScale.shape[1] + plane * plane_cols + block * 128)
-                         * 2 + offset)
 
 
 def svh_row_of(mSvhRow, expert, by_expert: bool):

@@ -388,14 +388,6 @@ def st_global_u32(gmem_addr, value, *, loc=None, ip=None) -> None:
     _asm_void(values, "st.global.u32 [$0], $1;", "l,r", loc=loc, ip=ip)
 
 
-@dsl_user_op
-def prefetch_l2_line(gmem_addr, *, loc=None, ip=None) -> None:
-    """The 128-byte line holding ``gmem_addr`` into the L2, fire and forget (``prefetch.global.L2``). Only a hint:
-    it may go out before a PDL wait, since a later write by the kernel before still lands in the L2, where every
-    SM reads."""
-    _asm_void([Int64(gmem_addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", loc=loc, ip=ip)
-
-
 def _asm_i32_addr(gmem_addr, value, text, *, loc=None, ip=None) -> Int32:
     return Int32(
         llvm.inline_asm(

@@ -42,8 +42,9 @@ ROTATION_WARPS_PER_SM = 4  # below this many (token, 128 block) warps per SM the
 WIDE_ROTATION_PAIRS_PER_SM, WIDE_ROTATION = 64, (8, 4)
 SUM_BLOCKS_PER_CTA = 4  # top-k sum at large M: 128-column blocks of a token per CTA (at most; sum_blocks_per_cta)
 # sum_blocks_per_cta takes more blocks a CTA only while this many CTAs an SM remain. At M=256 (E=128 top-8 hidden
-# 2048) 4 blocks would leave 7.8, so it takes 2: 2048 CTAs of 8 warps, two waves at 8 an SM; 4 would be one wave of
-# 1024 (not measured: an A/B's SUM_MIN_CTAS_PER_SM = 7).
+# 2048) 4 blocks would leave 7.8, so it takes 2: 2048 CTAs of 8 warps, two waves at 8 an SM. One wave of 1024 CTAs
+# of 4 blocks (7; M=128 then 2 blocks) gained nothing: H100, layer graph, three rounds, us: M=128 189.63 -> 188.43,
+# M=256 225.43 -> 226.94 (spreads 2-4; TopKSum kernel 5.32 -> 5.28, 7.83 -> 7.64; docs/perf.md, s76).
 SUM_MIN_CTAS_PER_SM = 8
 # The Intermediate launch takes up to this many 128-column blocks of a packed row per warp (moe_rotate: the row's
 # index lookups once, every block's loads issued before the first butterfly), by the gate/up partials' dtype. fp32:
@@ -259,21 +260,10 @@ CONTIGUOUS_GROUP_ROWS = True
 # longest first than in expert order. Measured with each expert ranked against every other (s75, H100, layer graph,
 # us, base -> longest first, spreads 1-4): M=64 158.93 -> 159.07, M=128 186.48 -> 185.72, M=192 208.18 -> 208.30,
 # M=256 226.34 -> 225.12, M=384 283.39 -> 283.80; at M=256 gate/up ended 3.3 us sooner but the route took 0.9 longer
-# (0.8-1.5 at M=64-384). The ranking is now a histogram of the counts (``order_longest_first``), not measured yet.
-# 0: off (docs/perf.md, seventy-fifth session).
+# (0.8-1.5 at M=64-384). With the ranking as a histogram of the counts (``order_longest_first``, s76, three rounds):
+# M=64 157.65 -> 160.44, M=128 189.63 -> 187.24, M=256 225.43 -> 224.87 (spreads 1-5; GEMM kernels 1-9 us less GPU
+# time, the route 0.4-0.6 us more): even again. 0: off (docs/perf.md, seventy-fifth and seventy-sixth sessions).
 LONGEST_FIRST_MIN_TOKENS = 0
-# Small per-expert scale tables read at the end of a chain of index loads, asked of the L2 before they are needed (L2
-# lines, hints only: no result changes): "rotation" every expert's gate/up suh before the input rotation's wait
-# (RouteInputRotationConfig.prefetch_suh), "tails" a fused tail's scales by each CTA as it arrives at the tail's
-# counter (MoEGemmConfig.prefetch_scales: the fused intermediate's svh/suh, the one-token top-k sum's down_svh),
-# "sum" every expert's down_svh before the top-k sum launch's wait (TopKSumConfig.prefetch_svh). Not measured: off.
-SCALE_PREFETCH: tuple[str, ...] = ()
-SCALE_PREFETCH_ROLES = ("rotation", "tails", "sum")
-# The fused intermediate's last CTA loads its warps' rows' routes, partials and scales at once
-# (MoEGemmConfig.tail_loads_first) instead of row by row behind each row's route: the s74 trace (H100) had that tail
-# at 3.36 us median at M=16 (one row a warp) and 5.70 at M=256 (two row pairs), holding the block's down CTAs and an
-# SM slot. Not measured yet: off.
-TAIL_LOADS_FIRST = False
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
@@ -714,8 +704,6 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         g13 = resident13 or replace(g13, weights_before_wait=early13)
         if s.fused_intermediate and s.block_rows in FUSED_TAIL_ROW_PAIRS and g13.tail_rows_per_warp % 2 == 0:
             g13 = replace(g13, tail_row_pairs=True)
-        if TAIL_LOADS_FIRST and g13.intermediate_splits and not (g13.input is not None and g13.resident_rows == 1):
-            g13 = replace(g13, tail_loads_first=True)
         intermediate = None if s.fused_intermediate else intermediate_config(
             s.splits13, order2, i_p // 128, s.block_rows, partials13, g.gating, indexed_first(g))
         if topk_fused:
@@ -732,28 +720,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             route = replace(route, logits_only=True)
             groups = [replace(g, gate_up=replace(g.gate_up, route=route, writes_routes=i == 0),
                               down=replace(g.down, awaits_block_expert=True)) for i, g in enumerate(groups)]
-    return with_scale_prefetch(StepConfigs(s, route, tuple(groups), None if topk_fused else topk))
-
-
-def with_scale_prefetch(c: StepConfigs) -> StepConfigs:
-    """``c`` with the L2 prefetches of SCALE_PREFETCH's roles."""
-    unknown = set(SCALE_PREFETCH) - set(SCALE_PREFETCH_ROLES)
-    if unknown:
-        raise ValueError(f"SCALE_PREFETCH roles are {', '.join(SCALE_PREFETCH_ROLES)}, "
-                         f"not {', '.join(sorted(unknown))}")
-    groups = []
-    for g in c.groups:
-        if "rotation" in SCALE_PREFETCH and g.rotation is not None:
-            g = replace(g, rotation=replace(g.rotation, prefetch_suh=True))
-        if "tails" in SCALE_PREFETCH and g.gate_up.intermediate_splits:
-            g = replace(g, gate_up=replace(g.gate_up, prefetch_scales=True))
-        if "tails" in SCALE_PREFETCH and g.down.topk_sum is not None:
-            g = replace(g, down=replace(g.down, prefetch_scales=True))
-        groups.append(g)
-    topk = c.topk
-    if "sum" in SCALE_PREFETCH and topk is not None:
-        topk = replace(topk, prefetch_svh=True)
-    return replace(c, groups=tuple(groups), topk=topk)
+    return StepConfigs(s, route, tuple(groups), None if topk_fused else topk)
 
 
 def down_cap(tokens: int, ctas: int, sm_count: int) -> int | None:

@@ -702,40 +702,6 @@ def test_longest_first_packing_changes_no_bit(synthetic, name, m, monkeypatch):
     setting_changes_no_bit(monkeypatch, synthetic, name, m, "LONGEST_FIRST_MIN_TOKENS", (2, 0), check)
 
 
-@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 2), ("qwen3-30b-shape-k4-mcg", 16),
-                                    ("qwen3-30b-shape-k4-mcg", 128), ("qwen3-30b-shape-k4-mcg", 256),
-                                    ("two-groups-k3-k5", 24), ("gpt-oss-biased-swiglu", 3),
-                                    ("gpt-oss-biased-swiglu", 40), ("k3.5-mul1-shared-gated", 64)])
-def test_tail_loads_first_change_no_bit(synthetic, name, m, monkeypatch):
-    """moe_configs.TAIL_LOADS_FIRST: the fused intermediate's last CTA loads every row's route, partials and scales
-    before the first row's rotations (padding rows' partials too, never stored): y is bit-identical with and without,
-    eagerly (twice) and in graph replay, and within MAX_REL of the reference."""
-    def check(i, dmoe, made, plan, configs):
-        fused = [c for c in made if c.planes == 2 and c.intermediate_splits]
-        assert fused and all(c.tail_loads_first == (i == 0) for c in fused), (name, m)
-
-    setting_changes_no_bit(monkeypatch, synthetic, name, m, "TAIL_LOADS_FIRST", (True, False), check)
-
-
-@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 1), ("qwen3-30b-shape-k4-mcg", 16),
-                                    ("qwen3-30b-shape-k4-mcg", 256), ("two-groups-k3-k5", 24),
-                                    ("gpt-oss-biased-swiglu", 1), ("gpt-oss-biased-swiglu", 40)])
-def test_scale_prefetch_changes_no_bit(synthetic, name, m, monkeypatch):
-    """moe_configs.SCALE_PREFETCH: the input rotation, the fused tails and the top-k sum ask the L2 for their scales
-    early (hints only): y is bit-identical with and without, eagerly (twice) and in graph replay, and within MAX_REL of
-    the reference; each role reaches the kernels that read those scales at that M."""
-    def check(i, dmoe, made, plan, configs):
-        on = i == 0
-        for g in configs.groups:
-            assert g.rotation is None or g.rotation.prefetch_suh == on, (name, m)
-            tails = [c.prefetch_scales for c in (g.gate_up, g.down) if c.intermediate_splits or c.topk_sum]
-            assert tails == [on] * len(tails), (name, m)
-        assert configs.topk is None or configs.topk.prefetch_svh == on, (name, m)
-
-    setting_changes_no_bit(monkeypatch, synthetic, name, m, "SCALE_PREFETCH", (moe_configs.SCALE_PREFETCH_ROLES, ()),
-                           check)
-
-
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
