@@ -73,12 +73,6 @@ METHODS = ("softmax_topk", "sigmoid_noaux_tc", "given")
 NEG_INF = float("-inf")
 NO_ID = 0x7FFFFFFF
 NEG_INF_KEY = 0x007FFFFF  # ptx.order_key(-inf)
-ORDER_BINS = 2 * THREADS  # longest_first's histogram of the experts' counts (larger counts share the last bin)
-
-
-def order_words(experts: int) -> int:
-    """Shared words of longest_first's order (position -> expert) before its histogram: 16-byte aligned."""
-    return -(-experts // 4) * 4
 
 
 @dataclass(frozen=True)
@@ -105,10 +99,6 @@ class MoERouteConfig:
     # itself (``choose``, the same bits) and one of them writes them (moe_gemm's ``route``), so that no CTA of this
     # launch waits for the others (the arrival and the top-k: 1.85 of M=1's 4.22 us here on an H100, bench.trace).
     logits_only: bool = False
-    # The packing places the experts in descending order of their routes (ties in no fixed order) instead of by id,
-    # so that the GEMMs' grids, which take route blocks in packed order, start the blocks of the most routes (the
-    # longest main loops: more token groups, more blocks) first and end on the shortest. Row order changes no result.
-    longest_first: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -127,8 +117,6 @@ class MoERouteConfig:
             raise ValueError("slot_blocks is for the router's routes (the caller's may repeat an expert)")
         if self.logits_only and not self.slot_blocks:
             raise ValueError("logits_only is for one token with slot_blocks (the GEMMs choose the routes)")
-        if self.longest_first and self.slot_blocks:
-            raise ValueError("longest_first orders the packing, which slot_blocks skips")
 
     @property
     def chunks(self) -> int:
@@ -233,24 +221,6 @@ def warp_best(v, i, extra):
     return cute.arch.shuffle_sync(v, owner), win, cute.arch.shuffle_sync(extra, owner)
 
 
-@cute.jit
-def exclusive_block_sum(value: Int32, sScan: cute.Tensor, tid: Int32) -> Int32:
-    """The sum of ``value`` over the CTA's threads before ``tid`` (a warp scan, then the warps' totals through
-    ``sScan``, after one barrier; the caller puts a barrier between two uses of ``sScan``)."""
-    lane = tid % 32
-    scan = value
-    for bit in cutlass.range_constexpr(5):
-        up = cute.arch.shuffle_sync_up(scan, 1 << bit)
-        scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
-    if lane == 31:
-        sScan[tid // 32] = scan
-    cute.arch.sync_threads()
-    before = scan - value
-    for w in cutlass.range_constexpr(WARPS):
-        before = before + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
-    return before
-
-
 def warp_sum(v):
     for bit in range(5):
         v = v + cute.arch.shuffle_sync_bfly(v, 16 >> bit)
@@ -338,15 +308,15 @@ class MoERoute:
             ptx.trace_flags(ptx.TRACE_ROUTE, ptx.TRACE_LIVE)
         else:
             self.routes(mLogits, mBias, mGivenIds, mGivenW, mIds, mW, mRank, mCounters, mCounts, mExpertRow,
-                        mBlockExpert, mRowRoute, block_rows, sFlag, sScan, sCount, sRing, single, tb, n_chunks, n_tb,
-                        tid, warp, lane, tokens)
+                        mBlockExpert, mRowRoute, block_rows, sFlag, sScan, sCount, single, tb, n_chunks, n_tb, tid,
+                        warp, lane, tokens)
 
     @cute.jit
     def routes(self, mLogits: cute.Tensor, mBias: cute.Tensor, mGivenIds: cute.Tensor, mGivenW: cute.Tensor,
                mIds: cute.Tensor, mW: cute.Tensor, mRank: cute.Tensor, mCounters: cute.Tensor, mCounts: cute.Tensor,
                mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor, block_rows: Int32,
-               sFlag: cute.Tensor, sScan: cute.Tensor, sCount: cute.Tensor, sRing: cute.Tensor, single, tb: Int32,
-               n_chunks: Int32, n_tb: Int32, tid: Int32, warp: Int32, lane: Int32, tokens: Int32):
+               sFlag: cute.Tensor, sScan: cute.Tensor, sCount: cute.Tensor, single, tb: Int32, n_chunks: Int32,
+               n_tb: Int32, tid: Int32, warp: Int32, lane: Int32, tokens: Int32):
         """The last CTA of token block ``tb`` (its logits stored): top-k of its tokens, then the packing."""
         cfg = self.cfg
         counter = mCounters.iterator.toint() + Int64(tb) * 4
@@ -363,15 +333,15 @@ class MoERoute:
                     mBlockExpert[lane] = mIds[0, lane]
             elif single:
                 cute.arch.sync_threads()  # every route counted in sCount
-                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sRing, sFlag,
-                          sScan, tid, True)
+                self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag, sScan,
+                          tid, True)
             else:
                 # --- the last token block: pack the routes counted in mCounts ----------------------------------
                 last = mCounters.iterator.toint() + Int64(n_tb) * 4
                 ptx.count_in(last, n_tb, sFlag, 1, tid)
                 if sFlag[1] != 0:
-                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sRing,
-                              sFlag, sScan, tid, False)
+                    self.pack(mCounts, mExpertRow, mBlockExpert, mRowRoute, tokens, block_rows, sCount, sFlag,
+                              sScan, tid, False)
                     if tid == 0:
                         ptx.st_global_u32(last, Int32(0))
         ptx.trace_stamp(ptx.TRACE_ROUTE, ptx.TRACE_END)
@@ -743,25 +713,18 @@ class MoERoute:
 
     @cute.jit
     def pack(self, mCounts: cute.Tensor, mExpertRow: cute.Tensor, mBlockExpert: cute.Tensor, mRowRoute: cute.Tensor,
-             tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sRing: cute.Tensor, sFlag: cute.Tensor,
-             sScan: cute.Tensor, tid: Int32, local: cutlass.Constexpr):
-        """One CTA: each expert's rows padded to ``block_rows``, in expert order (``longest_first``: in descending
-        order of its routes, ``order_longest_first``). The counts come from ``sCount`` when ``local`` (counted there by
-        this CTA), else from ``mCounts``, zeroed for the next launch. With longest_first the order (position ->
-        expert) and its histogram live in the logits' rings, long done with by then."""
+             tokens: Int32, block_rows: Int32, sCount: cute.Tensor, sFlag: cute.Tensor, sScan: cute.Tensor,
+             tid: Int32, local: cutlass.Constexpr):
+        """One CTA: each expert's rows padded to ``block_rows``, in expert order. The counts come from ``sCount``
+        when ``local`` (counted there by this CTA), else from ``mCounts``, zeroed for the next launch."""
         cfg = self.cfg
         experts = cfg.packed_experts
-        sOrder, sBins = None, None
-        if cutlass.const_expr(cfg.longest_first):  # the order, then the count histogram, in the rings
-            words = cute.recast_ptr(sRing.iterator, dtype=Int32)
-            sOrder = cute.make_tensor(words, cute.make_layout(experts))
-            sBins = cute.make_tensor(words + order_words(experts), cute.make_layout(ORDER_BINS))
         counts = mCounts.iterator.toint()
-        # Thread t owns packing positions [t*per, (t+1)*per): experts by id, or their places in the order below.
+        # Exclusive prefix sum of the padded counts: thread t owns experts [t*per, (t+1)*per).
         per = (experts + THREADS - 1) // THREADS
         first = cutlass.min(tid * per, experts)
         last = cutlass.min(first + per, experts)
-        rows = Int32(0)  # this thread's padded rows, for the exclusive prefix sum in packing order
+        rows = Int32(0)
         for e in range(first, last):
             count = Int32(tokens)  # the shared expert (id E) takes every token
             if e < cfg.num_experts:
@@ -771,17 +734,21 @@ class MoERoute:
                     count = ld_cg_s32(counts + Int64(e) * 4)
                     ptx.st_global_u32(counts + Int64(e) * 4, Int32(0))
             sCount[e] = count
-            if cutlass.const_expr(not cfg.longest_first):
-                rows = rows + (count + block_rows - 1) // block_rows * block_rows
-        if cutlass.const_expr(cfg.longest_first):
-            self.order_longest_first(sCount, sOrder, sBins, sScan, first, last, per, tid)
-            for p in range(first, last):
-                rows = rows + (sCount[sOrder[p]] + block_rows - 1) // block_rows * block_rows
-        start = exclusive_block_sum(rows, sScan, tid)
+            rows = rows + (count + block_rows - 1) // block_rows * block_rows
+        lane = tid % 32
+        scan = rows
+        for bit in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(scan, 1 << bit)
+            scan = scan + cutlass.select_(lane >= (1 << bit), up, Int32(0))
+        if lane == 31:
+            sScan[tid // 32] = scan
+        cute.arch.sync_threads()
+        start = scan - rows
+        for w in cutlass.range_constexpr(WARPS):
+            start = start + cutlass.select_(w < tid // 32, sScan[w], Int32(0))
         if tid == THREADS - 1:
             sFlag[2] = (start + rows) // block_rows
-        for p in range(first, last):
-            e = sOrder[p] if cutlass.const_expr(cfg.longest_first) else p
+        for e in range(first, last):
             count = sCount[e]
             blocks = (count + block_rows - 1) // block_rows
             mExpertRow[e] = start
@@ -793,43 +760,3 @@ class MoERoute:
         cute.arch.sync_threads()
         for b in range(sFlag[2] + tid, mBlockExpert.shape[0], THREADS):
             mBlockExpert[b] = -1
-
-    @cute.jit
-    def order_longest_first(self, sCount: cute.Tensor, sOrder: cute.Tensor, sBins: cute.Tensor, sScan: cute.Tensor,
-                            first: Int32, last: Int32, per: cutlass.Constexpr, tid: Int32):
-        """``sOrder[place] = e`` for the experts in descending order of their routes (``sCount``, complete when
-        called): a histogram of the counts (from ORDER_BINS - 1 routes on, one bin), the bins' suffix sums by a
-        block scan (place = the experts in higher bins + the expert's turn in its own bin, which a shared-memory
-        atomic gives: ties in no fixed order, which changes no result). A few dozen instructions a thread and four
-        barriers, where ranking each expert against every other (129 compares a thread) cost the route 0.8-1.5 us at
-        128 experts (H100, M=64-384, docs/perf.md, seventy-fifth session)."""
-        cute.arch.sync_threads()  # every count in sCount
-        for b in cutlass.range_constexpr(ORDER_BINS // THREADS):
-            sBins[b * THREADS + tid] = Int32(0)
-        cute.arch.sync_threads()
-        bins_addr = sBins.iterator.toint()
-        keys, turns = [], []
-        for j in cutlass.range_constexpr(per):
-            key = cutlass.min(sCount[cutlass.min(first + j, last - 1)], ORDER_BINS - 1)
-            turn = Int32(0)
-            if first + j < last:
-                turn = atomic_add_shared_u32(bins_addr + key * 4, 1)
-            keys.append(key)
-            turns.append(turn)
-        cute.arch.sync_threads()
-        # thread t holds bins ORDER_BINS-1-per_thread*t .. (descending): an exclusive scan gives each its bins above
-        per_thread = ORDER_BINS // THREADS
-        top = ORDER_BINS - 1 - per_thread * tid
-        held = [sBins[top - i] for i in range(per_thread)]
-        total = held[0]
-        for i in cutlass.range_constexpr(1, per_thread):
-            total = total + held[i]
-        above = exclusive_block_sum(total, sScan, tid)
-        for i in cutlass.range_constexpr(per_thread):  # its own bins only: bin -> the experts in the bins above it
-            sBins[top - i] = above
-            above = above + held[i]
-        cute.arch.sync_threads()
-        for j in cutlass.range_constexpr(per):
-            if first + j < last:
-                sOrder[sBins[keys[j]] + turns[j]] = first + j
-        cute.arch.sync_threads()  # sOrder whole; sScan free again

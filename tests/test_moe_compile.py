@@ -11,14 +11,7 @@ from exl3tool.kernels.gemm import SMEM_LIMIT_BYTES, WGMMA_SMEM_LIMIT_BYTES
 from exl3tool.kernels.mainloop import weight_copy_count
 from exl3tool.kernels.moe_gemm import MoEGemmConfig
 from exl3tool.kernels.moe_rotate import Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
-from exl3tool.kernels.moe_route import (
-    ORDER_BINS,
-    RESERVED_SMEM_BYTES,
-    STEP_GROUP,
-    WARPS,
-    MoERouteConfig,
-    order_words,
-)
+from exl3tool.kernels.moe_route import RESERVED_SMEM_BYTES, STEP_GROUP, WARPS, MoERouteConfig
 from exl3tool.kernels.trellis import CODEBOOKS, SUPPORTED_BITS
 from exl3tool.ops import moe_configs
 from exl3tool.ops import moe_kernels
@@ -238,7 +231,6 @@ def test_grouped_gemm_other_archs(arch):
                    shared="ungated"),
     MoERouteConfig("sigmoid_noaux_tc", 16, 2, n_group=1, correction_bias=False),
     MoERouteConfig("given", 128, 8, shared="gated"),
-    MoERouteConfig("softmax_topk", 60, 4, shared="gated", expert_tile=32, longest_first=True),
 ], ids=str)
 def test_route_compiles(config):
     ptx = ptx_of(config)
@@ -246,9 +238,8 @@ def test_route_compiles(config):
     # shared-memory ones when the batch is one token block) -> packing in the last block: acq_rel counters, atomics
     mma = "mma.sync.aligned.m16n8k16.row.col.f32." + ("f16.f16" if config.x_dtype == "float16" else "bf16.bf16")
     assert mma in ptx and ARRIVAL in ptx and "atom.global.add.u32" in ptx
-    # one shared-memory atomic per token of a warp (its lanes take their routes' ranks at once); longest_first: one
-    # more in each of the two packings (from shared or global counts), an expert's turn in its count's bin
-    assert ptx.count("atom.shared.add.u32") == -(-config.token_tile // WARPS) + 2 * config.longest_first
+    # one shared-memory atomic per token of a warp (its lanes take their routes' ranks at once)
+    assert ptx.count("atom.shared.add.u32") == -(-config.token_tile // WARPS)
     if config.method != "given":  # two redux.sync per chosen expert
         assert ptx.count("redux.sync") >= 2 * config.top_k
     # router and activations reach the MMAs through shared memory only: 16-byte copies, 8-byte ones for the rows
@@ -266,8 +257,6 @@ def test_route_staging_fits_every_tile(experts, shared):
             assert STEP_GROUP % size == 0 and stages >= 2
             assert cfg.smem_bytes + RESERVED_SMEM_BYTES <= SMEM_LIMIT_BYTES
             assert 4 * expert_tile * token_tile <= cfg.ring_bytes  # a warp's partial tile fits in its ring
-            # and longest_first's order and histogram in the rings
-            assert 4 * (order_words(cfg.packed_experts) + ORDER_BINS) <= WARPS * cfg.ring_bytes
     if experts <= 256:  # decode tiles: a warp's whole slice of hidden 2048 in flight at once
         size, stages = MoERouteConfig("softmax_topk", experts, 8, shared=shared).staging
         assert size * stages >= 2048 // 16 // WARPS

@@ -436,22 +436,6 @@ def test_slot_blocks_at_one_token_where_only_the_one_token_gemms_read_the_blocks
         MoERouteConfig("given", 128, 8, slot_blocks=True)
 
 
-def test_longest_first_packing_from_its_token_count(monkeypatch):
-    """moe_configs.LONGEST_FIRST_MIN_TOKENS: from that many tokens the route kernel packs the experts in descending
-    order of their routes (MoERouteConfig.longest_first); none at 0, and never with slot blocks (no packing)."""
-    def longest(m, given=False, **layer):
-        return moe_configs.step_configs(moe(**layer), m, given, "sm_90a", 132, "float16", "float16").route.longest_first
-
-    assert not any(longest(m) for m in (1, 2, 16, 256, 4096))
-    monkeypatch.setattr(moe_configs, "LONGEST_FIRST_MIN_TOKENS", 1)
-    assert not longest(1) and longest(1, given=True)  # one token: slot blocks, unless the caller's routes
-    assert longest(2) and longest(256) and longest(256, shared="gated") and longest(4096)
-    monkeypatch.setattr(moe_configs, "LONGEST_FIRST_MIN_TOKENS", 64)
-    assert not longest(63) and longest(64)
-    with pytest.raises(ValueError, match="longest_first"):
-        MoERouteConfig("softmax_topk", 128, 8, slot_blocks=True, longest_first=True)
-
-
 def test_routes_chosen_in_the_gemms_at_one_token_with_slot_blocks(monkeypatch):
     """moe_configs.ROUTE_IN_GEMMS: with slot blocks (one token, the router's routes) the route kernel writes only the
     logits (MoERouteConfig.logits_only), every group's gate/up GEMM chooses its blocks' experts (MoEGemmConfig.route,

@@ -253,17 +253,6 @@ EARLY_GATE_UP_WEIGHTS_MIN_TOKENS = 8
 # M=256 251.4 -> 252.8, so only up to 16 tokens.
 EARLY_ROUTE_NEXT_TOKENS = 16
 CONTIGUOUS_GROUP_ROWS = True
-# From this many tokens on the route's packing places the experts in descending order of their routes
-# (MoERouteConfig.longest_first), so that the GEMMs start the route blocks with the longest main loops first and their
-# grids end on the shortest. The H100 trace of M=256 (s74) put its gate/up blocks' CTAs at 29-56 us each (the routes of
-# the block's expert set its token groups); a list schedule of those durations on the SMs' slots ends 11-14 us sooner
-# longest first than in expert order. Measured with each expert ranked against every other (s75, H100, layer graph,
-# us, base -> longest first, spreads 1-4): M=64 158.93 -> 159.07, M=128 186.48 -> 185.72, M=192 208.18 -> 208.30,
-# M=256 226.34 -> 225.12, M=384 283.39 -> 283.80; at M=256 gate/up ended 3.3 us sooner but the route took 0.9 longer
-# (0.8-1.5 at M=64-384). With the ranking as a histogram of the counts (``order_longest_first``, s76, three rounds):
-# M=64 157.65 -> 160.44, M=128 189.63 -> 187.24, M=256 225.43 -> 224.87 (spreads 1-5; GEMM kernels 1-9 us less GPU
-# time, the route 0.4-0.6 us more): even again. 0: off (docs/perf.md, seventy-fifth and seventy-sixth sessions).
-LONGEST_FIRST_MIN_TOKENS = 0
 # The input rotation and the Intermediate launch find a route's group row (its suh, its rotations) as its expert minus
 # the group's first id where CONTIGUOUS_GROUP_ROWS gives one (their group_first), and the top-k sum a slot's down_svh
 # row as its expert where the layout makes them equal (TopKSumConfig.svh_by_expert): one dependent table load fewer
@@ -667,8 +656,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
     cfg = d.route
     k, h_p = cfg.routes_per_token, d.hidden_padded
     route = replace(cfg, method="given" if given else cfg.method, x_dtype=x_dtype,
-                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens),
-                    longest_first=0 < LONGEST_FIRST_MIN_TOKENS <= tokens)
+                    early_next=tokens <= EARLY_ROUTE_NEXT_TOKENS, **tiles_for(tokens))
     resident = resident_input(tokens, given, s.block_rows)
     lane_values, slot_groups = input_rotation_layout(tokens, h_p // 128, k, sm_count)
     partials13, partials2 = partials_dtype(tokens, s.splits13), partials_dtype(tokens, s.splits2)
@@ -715,7 +703,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
-        route = replace(route, slot_blocks=True, longest_first=False)  # only the one-token GEMMs read the blocks
+        route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks
         if ROUTE_IN_GEMMS:
             route = replace(route, logits_only=True)
             groups = [replace(g, gate_up=replace(g.gate_up, route=route, writes_routes=i == 0),

@@ -682,26 +682,6 @@ def test_routes_chosen_in_the_gemms_change_no_bit(synthetic, name, ties, monkeyp
     assert rel(y, reference_given(reader, moe, x, ids.long(), weights)) < MAX_REL
 
 
-@pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 16), ("qwen3-30b-shape-k4-mcg", 64),
-                                    ("qwen3-30b-shape-k4-mcg", 256), ("two-groups-k3-k5", 64),
-                                    ("k3.5-mul1-shared-gated", 256), ("qwen3-next-512-experts-top-10", 48)])
-def test_longest_first_packing_changes_no_bit(synthetic, name, m, monkeypatch):
-    """moe_configs.LONGEST_FIRST_MIN_TOKENS: the route kernel packs the experts in descending order of their routes
-    (MoERouteConfig.longest_first), so the GEMMs take the same route blocks in another order: y is bit-identical,
-    eagerly (twice) and in graph replay, and within MAX_REL of the reference; along the packed rows the experts'
-    counts never rise (by id without it)."""
-    def check(i, dmoe, made, plan, configs):
-        assert configs.route.longest_first == (i == 0)
-        count = torch.bincount(routes(plan, m)[0].long().view(-1), minlength=dmoe.route.packed_experts)
-        if i == 0:  # the experts by their first rows: the counts never rise
-            by_row = count[plan.expert_row.long().argsort(stable=True)]
-            assert (by_row[1:] <= by_row[:-1]).all(), (name, m)
-        else:  # by id
-            assert (plan.expert_row[1:] >= plan.expert_row[:-1]).all(), (name, m)
-
-    setting_changes_no_bit(monkeypatch, synthetic, name, m, "LONGEST_FIRST_MIN_TOKENS", (2, 0), check)
-
-
 @pytest.mark.parametrize("name,m", [("qwen3-30b-shape-k4-mcg", 96), ("qwen3-30b-shape-k4-mcg", 128),
                                     ("two-groups-k3-k5", 24), ("k2-3inst-unnormalised", 24)])
 def test_gate_up_x_in_fragment_order_changes_no_bit(synthetic, name, m, monkeypatch):
@@ -1244,16 +1224,13 @@ def test_each_token_is_independent_of_the_batch(synthetic):
         assert torch.equal(routes(plan, 1)[0], ids[t: t + 1])
 
 
-@pytest.mark.parametrize("name,longest", [("qwen3-30b-shape-k4-mcg", False), ("k3.5-mul1-shared-gated", False),
-                                          ("qwen3-30b-shape-k4-mcg", True), ("k3.5-mul1-shared-gated", True)])
-def test_route_packing_one_token_block_or_several(synthetic, name, longest, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen3-30b-shape-k4-mcg", "k3.5-mul1-shared-gated"])
+def test_route_packing_one_token_block_or_several(synthetic, name):
     """Around the route kernel's one-token-block path (counts in shared memory, M <= 8): every route has its own
-    rank inside its expert, the experts' first rows are the prefix sums of their padded counts in packing order (by
-    id; ``longest``: moe_configs.LONGEST_FIRST_MIN_TOKENS from 2 tokens, by descending count), each
-    expert's blocks and only those hold it in the block table (the rest -1), its rows after its routes are padding
-    (row_route -1) and its routes' rows hold routes to it, on poisoned scratch; the counters and counts are back at
-    zero after each call, and a token's logits are the same whatever the batch."""
-    monkeypatch.setattr(moe_configs, "LONGEST_FIRST_MIN_TOKENS", 2 if longest else 0)
+    rank inside its expert, the experts' first rows are the prefix sums of their padded counts, each expert's blocks
+    and only those hold it in the block table (the rest -1), its rows after its routes are padding (row_route -1) and
+    its routes' rows hold routes to it, on poisoned scratch; the counters and counts are back at zero after each
+    call, and a token's logits are the same whatever the batch."""
     plan = plan_moe(DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda")), 256)
     cfg = plan.dmoe.route
     k, e_r, e_p = cfg.routes_per_token, cfg.router_rows, cfg.packed_experts
@@ -1272,15 +1249,7 @@ def test_route_packing_one_token_block_or_several(synthetic, name, longest, monk
         if plan.configs(m, False).route.slot_blocks:  # one token: route block j is slot j's, no packing
             assert m == 1 and torch.equal(plan.block_expert[:k].long(), ids)
         else:
-            assert plan.configs(m, False).route.longest_first == (longest and m >= 2), m
-            if longest and m >= 2:  # by descending count, ties in no fixed order: the order the first rows give
-                order = sorted(range(e_p), key=lambda e: (plan.expert_row[e].item(), count[e].item() == 0))
-                assert all(count[a] >= count[b] for a, b in zip(order, order[1:])), m
-            else:
-                order = list(range(e_p))
-            ends = padded[order].cumsum(0)
-            first = torch.empty_like(padded)
-            first[order] = ends - padded[order]
+            first = padded.cumsum(0) - padded
             assert torch.equal(plan.expert_row.long(), first), m
             owner = torch.full_like(plan.block_expert[: plan.step(m, False).shape.blocks], -1)
             for e in range(e_p):
