@@ -130,15 +130,15 @@ def report(stamps: np.ndarray) -> list[str]:
             for p, point in enumerate(points):
                 # a point a CTA did not reach this call holds 0 or an earlier call's stamp: before t0
                 out.append(f"  {prefix + point:14s}{spread([us(t) for t in rows[:, p] if t >= t0])}")
+        def took(rows, a, b):  # each CTA's phase from slot a to slot b, where it stamped both this call
+            return [(y - x) / 1000.0 for x, y in zip(rows[:, a], rows[:, b]) if x >= t0 and y >= x]
+
         for phase, a, b in PHASES:
-            if b >= len(points):
-                continue
-            took = [(y - x) / 1000.0 for x, y in zip(live[:, a], live[:, b]) if x >= t0 and y >= x]
-            out.append(f"  {'d ' + phase:14s}{spread(took)}")
+            if b < len(points):
+                out.append(f"  {'d ' + phase:14s}{spread(took(live, a, b))}")
         for phase, a, b in PHASES:  # the last CTAs' own arrivals and tails (the fused tails' work)
             if phase in ("arrive", "tail") and len(last):
-                took = [(y - x) / 1000.0 for x, y in zip(last[:, a], last[:, b]) if x >= t0 and y >= x]
-                out.append(f"  {'last d ' + phase:14s}{spread(took)}")
+                out.append(f"  {'last d ' + phase:14s}{spread(took(last, a, b))}")
     return out + slot_budget(stamps, t0)
 
 
