@@ -49,6 +49,8 @@ weights stream in during the kernel before. That kernel waited for the route ker
 so the block's expert and every kernel before are done. Every CTA waits, also one of an unused block, so that this
 kernel ends after the one before it.
 
+A CTA's work is ``MoEGemm.body`` at its block indices, which ``moe_gemm_pair`` also runs for both GEMMs in one grid.
+
 Arguments: X int32 ``[planes, R, K_p/2]``, W int32 ``[planes, E_g, K_p/16, N_p/16, 8K]``, P fp32 (or fp16)
 ``[splits, R, planes*N_p]``, block_expert int32 ``[blocks]``, group_row int32 ``[experts]``; with the fused
 intermediate also the group's rotations fp16 ``[E_g, 3*I_p]``, X2 fp16 ``[R, I_p]``, row_route int32 ``[R]``,
@@ -355,6 +357,26 @@ class MoEGemm(DecodeGemmKernel):
                mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mRank: cute.Tensor,
                mSvh: cute.Tensor, mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor,
                mSumCounter: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor):
+        bn, blk, split = cute.arch.block_idx()
+        if cutlass.const_expr(self.cfg.splits_in_x):
+            split = bn % mP.shape[0]
+            bn = bn // mP.shape[0]
+        gx, _, gz = cute.arch.grid_dim()
+        self.body(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter, inter_true,
+                  mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY, mSumCounter, mLogits, mBias,
+                  bn, blk, split, Int32(gx * gz), True)
+
+    @cute.jit
+    def body(self, mX: cute.Tensor, mW: cute.Tensor, mP: cute.Tensor, mBlockExpert: cute.Tensor,
+             mGroupRow: cute.Tensor, k_tiles_per_split: Int32, mRot: cute.Tensor, mX2: cute.Tensor,
+             mRowRoute: cute.Tensor, mCounter: cute.Tensor, inter_true: Int32, mGateSuh: cute.Tensor,
+             mUpSuh: cute.Tensor, mIds: cute.Tensor, mRouteRow: cute.Tensor, mRank: cute.Tensor,
+             mSvh: cute.Tensor, mSvhRow: cute.Tensor, mWeights: cute.Tensor, mY: cute.Tensor,
+             mSumCounter: cute.Tensor, mLogits: cute.Tensor, mBias: cute.Tensor, bn: Int32, blk: Int32,
+             split: Int32, readers: Int32, triggers: cutlass.Constexpr):
+        """One CTA's work: column tile ``bn``, route block ``blk``, K split ``split`` (``readers``: the CTAs of a
+        route block, which count out at its ready counter). ``triggers``: the CTA lets the next kernel launch as
+        its config says (``ready_signal``); False in a ``MoEGemmPair``, whose down CTAs are in this grid."""
         cfg, main = self.cfg, self.cfg.mainloop
         region = ptx.TRACE_GATE_UP if cfg.planes == 2 else ptx.TRACE_DOWN  # the timing trace's (ptx.TRACE_ADDR)
         ptx.trace_stamp(region, ptx.TRACE_ENTRY)
@@ -362,18 +384,14 @@ class MoEGemm(DecodeGemmKernel):
         # before this kernel's own PDL wait; it reads the route's block table first, though. Behind the input
         # rotation that table is written (the rotation waited for the route before letting this kernel launch);
         # right behind the route (M = 1: this kernel rotates the input) only after the wait.
-        if cutlass.const_expr(cfg.ready_signal and cfg.input is None):
+        if cutlass.const_expr(triggers and cfg.ready_signal and cfg.input is None):
             ptx.launch_dependents()
         if cutlass.const_expr(not (cfg.weights_before_wait or cfg.ready_wait)):
             ptx.wait_for_prior_kernels()  # PDL: the kernel before this one has finished
             ptx.trace_stamp(region, ptx.TRACE_WAITED)
-        if cutlass.const_expr(cfg.ready_signal and cfg.input is not None):
+        if cutlass.const_expr(triggers and cfg.ready_signal and cfg.input is not None):
             ptx.launch_dependents()
         tid, _, _ = cute.arch.thread_idx()
-        bn, blk, split = cute.arch.block_idx()
-        if cutlass.const_expr(cfg.splits_in_x):
-            split = bn % mP.shape[0]
-            bn = bn // mP.shape[0]
         warp = tid // 32
         lane = tid % 32
 
@@ -478,8 +496,6 @@ class MoEGemm(DecodeGemmKernel):
                 if cutlass.const_expr(cfg.ready_wait):
                     n_ib = k_tiles // 8
                     ready = block_ready_counter(mCounter, mBlockExpert, n_ib, blk)
-                    gx, _, gz = cute.arch.grid_dim()
-                    readers = Int32(gx * gz)  # the block's CTAs
                     behind = cfg.count_out_behind_x
                     wait = lambda: ptx.wait_count(ready, n_ib, readers, tid, not behind)  # noqa: E731
                     if cutlass.const_expr(behind):  # the main loop calls it behind its first X copies

@@ -389,6 +389,36 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
         gemm_config(4.0, "mcg", 1, rows, split_halves=split, ready_wait=True, weights_before_wait=True)
 
 
+@pytest.mark.parametrize("rows,arch", [(8, "sm_90a"), (32, "sm_90a"), (8, "sm_120a")])
+def test_gemm_pair_is_both_gemms_in_one_grid(rows, arch):
+    """``MoEGemmPair``: one kernel with gate/up's and down's code (their MMAs, counters and waits, each once), no
+    CTA letting the next launch go early (the top-k sum's CTAs would take slots beside down's), and the launch's
+    shared memory that of the larger half, not the two added (the halves' allocations merged)."""
+    from exl3tool.kernels.moe_gemm_pair import MoEGemmPairConfig
+    from exl3tool.kernels.ptx import compiling_for
+    from exl3tool.ops.runtime import COMPILE_OPTIONS
+
+    split = rows == 8
+    up = gemm_config(4.0, "mcg", 2, rows, split_halves=split, intermediate_splits=1, ready_signal=True,
+                     x2_order=x_order(rows, split), smem_pad=4096)  # the larger half
+    down = gemm_config(4.0, "mcg", 1, rows, split_halves=split, ready_wait=True)
+    pair = MoEGemmPairConfig(up, down)
+    assert pair.smem_bytes == up.smem_bytes > down.smem_bytes
+    body = ptx_of(pair, arch)
+    body = body[body.index(".entry"):]
+    assert body.count(MMA) == ptx_of(up, arch).count(MMA) + ptx_of(down, arch).count(MMA)
+    assert "launch_dependents" not in body and body.count(PDL_WAIT) == 2  # gate/up's first, down's at its end
+    assert body.count("ld.acquire.gpu.global.u32") >= 1 and body.count(ARRIVAL) == 2
+    with compiling_for(arch):  # the launch's shared memory, in the host code
+        host = str(moe_kernels.build_gemm_pair(pair, f"{COMPILE_OPTIONS} --gpu-arch={arch}").ir_module)
+    assert f"llvm.mlir.constant({pair.smem_bytes} : i64)" in host
+    assert f"llvm.mlir.constant({up.smem_bytes + down.smem_bytes} : i64)" not in host
+    with pytest.raises(ValueError):  # down waits for the kernel before, not for its blocks' counters
+        MoEGemmPairConfig(up, replace_ready(down, False))
+    with pytest.raises(ValueError):  # different threads
+        MoEGemmPairConfig(up, dataclasses.replace(down, warps=down.warps // 2))
+
+
 def test_block_ready_counters_with_the_one_token_gemms():
     """At M = 1 (if moe_configs.READY_COUNTERS_MIN_TOKENS allows) the counters join the gate/up GEMM that rotates its
     own input and the down GEMM that does the top-k sum: gate/up, launched right behind the route, triggers the down

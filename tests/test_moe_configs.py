@@ -79,10 +79,12 @@ def configs_of(step) -> list:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [*LAYERS, *MODELS])
-def test_every_step_plans_on_every_arch(name, arch):
+@pytest.mark.parametrize("paired", [False, True])
+def test_every_step_plans_on_every_arch(name, arch, paired, monkeypatch):
     """Before the fix, SM120 and SM80 planned a fused intermediate and block-ready counters for the mma.sync 128-row
     blocks (shared decode, 4 tile columns a warp), which MoEGemmConfig refuses: the Qwen3-30B layer raised from 2048
     tokens on, the small layers from 256-683."""
+    monkeypatch.setattr(moe_configs, "PAIRED_GEMMS", paired)
     d = {**LAYERS, **MODELS}[name]
     for tokens, given, dtype in itertools.product(TOKENS, (False, True), ("float16", "bfloat16")):
         step = step_configs(d, tokens, given, arch, typical_sms(arch), dtype, dtype)
@@ -94,8 +96,35 @@ def test_every_step_plans_on_every_arch(name, arch):
             (g.rotation is not None) + 1 + (g.intermediate is not None) + 1 for g in step.groups)
         assert launches == 1 + (step.topk is not None) + len(step.groups) * (
             4 - s.fused_intermediate - (step.groups[0].gate_up.input is not None))
+        # both GEMMs of a group as one launch wherever the ready counters hand its blocks over (PAIRED_GEMMS)
+        pairs = [g.pair is not None for g in step.groups]
+        assert pairs == [paired and g.gate_up.ready_signal and g.gate_up.input is None
+                         and g.gate_up.warps == g.down.warps for g in step.groups], (tokens, given, dtype)
+        assert len(step.kernels()) == launches - sum(pairs)
         for c in configs_of(step):
             assert getattr(c, "smem_bytes", 0) <= SMEM_LIMIT_BYTES or arch == "sm_90a", (tokens, c)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemm_pairs_take_their_halves_and_launch_bounds(arch, monkeypatch):
+    """A group's pair is its own gate/up and down configs, with PAIRED_MIN_CTAS_PER_SM's launch bounds for its block
+    rows and warps, and takes their place in the launches; with PAIRED_GEMMS off no step pairs."""
+    monkeypatch.setattr(moe_configs, "PAIRED_GEMMS", True)
+    d = LAYERS["qwen3-30b-shape-k4-mcg"]
+    seen = set()
+    for tokens in (8, 16, 64, 96, 256, 384):
+        step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")
+        (g,) = step.groups
+        assert (g.pair.gate_up, g.pair.down) == (g.gate_up, g.down), tokens
+        bound = moe_configs.PAIRED_MIN_CTAS_PER_SM.get((step.shape.block_rows, g.gate_up.warps), 0)
+        assert g.pair.min_ctas_per_sm == bound and g.pair.smem_bytes == max(g.gate_up.smem_bytes, g.down.smem_bytes)
+        assert [role for role, _ in step.kernels()] == ["route", "input rotation", "gate/up + down", "top-k sum"]
+        seen.add(bound)
+    assert len(seen) > 1
+    monkeypatch.setattr(moe_configs, "PAIRED_GEMMS", False)
+    for tokens in (8, 16, 256):
+        step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")
+        assert step.groups[0].pair is None and "gate/up + down" not in dict(step.kernels())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

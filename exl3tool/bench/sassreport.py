@@ -144,7 +144,8 @@ def moe_sass_report(arch: str, specs, bits=(4.0,), codebook: str = "mcg", tokens
     jobs = []
     for (name, role, config), ms in found.items():
         gemm = isinstance(config, MoEGemmConfig)
-        rows = f" {config.tokens_per_cta}-row {config.mma}" if gemm else ""
+        head = getattr(config, "gate_up", config)  # a GEMM pair: its gate/up half's rows
+        rows = f" {head.tokens_per_cta}-row {head.mma}" if isinstance(head, MoEGemmConfig) else ""
         label = f"{name} {role}{rows} (M={','.join(map(str, ms))})"
         job = (lambda c=config: gemm_report(c, arch)) if gemm else (
             lambda c=config: _analyze(c, arch, BUILDERS[type(c)]))

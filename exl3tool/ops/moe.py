@@ -19,7 +19,8 @@ Per call (no host sync, no allocation; CUDA-graph capturable once each M was run
   4 intermediate  split sums, output rotations (+ biases), SiLU gate or gpt-oss's clamped SwiGLU, down input
                 rotation -> fp16 (small route blocks and a short gate/up grid, e.g. decode: in that GEMM's last
                 CTA per 128 columns, no launch)
-  5 down        decode GEMM from w2 (split-K partials, as gate/up's)
+  5 down        decode GEMM from w2 (split-K partials, as gate/up's); where block-ready counters hand gate/up's
+                route blocks to it, one grid with gate/up (``kernels.moe_gemm_pair``: one launch for both GEMMs)
   6 top-k sum   per token: output rotation * down_svh (+ bias) of each route's expert, weighted, summed in slot order
                 (one token: in the last down GEMM CTA per 128 columns, over every group's launch, no launch)
 Each token's result depends only on its own routes (rows are computed independently, sums in fixed order), so
@@ -348,13 +349,18 @@ class MoEPlan:
                 step.launches.append((K.launch_input_rotation, K.compiled(gc.rotation, arch),
                                       (X_ARG, g.gate_suh, g.up_suh, xr, ids, rank, self.expert_row, g.group_row,
                                        row_route, route_row)))
+            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, gc.per2,
+                    None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
+            if gc.pair is not None:  # both GEMMs in one grid: gate/up's arguments, then down's own
+                step.launches.append((K.launch_gemm_pair, K.compiled(gc.pair, arch),
+                                      (*gate_up[:3], *down[:3], block_expert, g.group_row, gc.per13, gc.per2,
+                                       g.rotations, x2, row_route, counter, g.intermediate)))
+                continue
             step.launches.append((K.launch_gemm, K.compiled(g13, arch), gate_up))
             if gc.intermediate is not None:
                 step.launches.append((K.launch_intermediate, K.compiled(gc.intermediate, arch),
                                       (p13, g.rotations, x2, row_route, block_expert, g.group_row, ids, route_row,
                                        g.intermediate, s.block_rows)))
-            down = (K.as_words(x2).unsqueeze(0), g.w2, p2, block_expert, g.group_row, gc.per2,
-                    None, None, row_route if g2.takes_row_route else None, counter if g2.ready_wait else None, 0)
             if g2.topk_sum is not None:  # the sum's arguments: ids, route_row, down_svh, svh_row, weights, y, counters
                 down += (None, None, ids, route_row, None, d.down_svh, d.svh_row, weights, Y_ARG, topk_counter)
             step.launches.append((K.launch_gemm, K.compiled(g2, arch), down))

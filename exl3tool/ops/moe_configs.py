@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from exl3tool.kernels.gemm import SharedMemoryError, fitting_config
 from exl3tool.kernels.mainloop import WGMMA_MAX_GROUPS
 from exl3tool.kernels.moe_gemm import MoEGemmConfig, fuses_intermediate
+from exl3tool.kernels.moe_gemm_pair import MoEGemmPairConfig, pairs
 from exl3tool.kernels.moe_rotate import SILU_GATING, Gating, IntermediateConfig, RouteInputRotationConfig, TopKSumConfig
 from exl3tool.kernels.moe_route import MoERouteConfig, tiles_for
 from exl3tool.ops import targets
@@ -278,6 +279,15 @@ READY_COUNTERS_MIN_TOKENS = 4
 # -> 129.56 (130.37 -> 129.37), M=64 157.95 -> 156.56 (158.08 -> 156.65), M=16 104.81 -> 104.48; M=8, 128, 256 within
 # 0.5 either way (s65).
 COUNT_OUT_BEHIND_X = True
+# Where the ready counters hand route blocks from gate/up to down, both GEMMs run as one grid, gate/up's CTAs first
+# (kernels.moe_gemm_pair): behind a running kernel a dependent launch gets one occupancy of CTAs an SM until that
+# kernel's last CTA leaves (s74's trace: up to 109 SMs idle at M=256), and its CTAs wait for gate/up's unused ones to
+# pass first (M=16: down's first CTA entered at 60.8 us, its blocks ready from 36).
+PAIRED_GEMMS = False
+# The pair's launch bounds (MoEGemmPairConfig.min_ctas_per_sm) by (route block rows, warps): the CTAs an SM both
+# halves reach alone (sm_90a, E=128 top-8 2048x768 K=4 mcg), where the pair's registers would fit fewer; 0: none (32
+# rows: gate/up alone fits 3 at 80 registers, the pair 4 only with 21 spills; 64 rows: 2 either way).
+PAIRED_MIN_CTAS_PER_SM = {(8, 4): 8, (8, 8): 4, (16, 8): 5}
 # Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
 # its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
 # takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
@@ -605,6 +615,7 @@ class GroupConfigs:
     order2: str
     per13: int  # k-tiles per K split of each GEMM
     per2: int
+    pair: MoEGemmPairConfig | None = None  # both GEMMs as one launch (PAIRED_GEMMS), else None
 
 
 @dataclass(frozen=True)
@@ -621,8 +632,9 @@ class StepConfigs:
         """(role, config) of each launch, in launch order."""
         out = [("route", self.route)]
         for g in self.groups:
-            out += [(role, c) for role, c in (("input rotation", g.rotation), ("gate/up", g.gate_up),
-                                              ("intermediate", g.intermediate), ("down", g.down)) if c is not None]
+            gemms = [("gate/up + down", g.pair)] if g.pair is not None else [
+                ("gate/up", g.gate_up), ("intermediate", g.intermediate), ("down", g.down)]
+            out += [(role, c) for role, c in [("input rotation", g.rotation), *gemms] if c is not None]
         return out + ([("top-k sum", self.topk)] if self.topk is not None else [])
 
 
@@ -700,7 +712,10 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
             g2 = replace(g2, count_out_behind_x=True)
         g2 = replace(g2, smem_pad=spread_pad(arch, g2.smem_bytes, down_cap(tokens, h_p // 16 // warps2 * s.blocks
                                                                              * s.splits2, sm_count)))
-        groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2))
+        pair = None
+        if PAIRED_GEMMS and pairs(g13, g2):
+            pair = MoEGemmPairConfig(g13, g2, PAIRED_MIN_CTAS_PER_SM.get((s.block_rows, g13.warps), 0))
+        groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2, pair))
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
         route = replace(route, slot_blocks=True)  # only the one-token GEMMs read the blocks

@@ -14,6 +14,7 @@ import cutlass.cute as cute
 import torch
 
 from exl3tool.kernels.moe_gemm import MoEGemm, MoEGemmConfig
+from exl3tool.kernels.moe_gemm_pair import MoEGemmPair, MoEGemmPairConfig
 from exl3tool.kernels.moe_rotate import (
     Intermediate, IntermediateConfig, RouteInputRotation, RouteInputRotationConfig, TopKSum, TopKSumConfig,
 )
@@ -73,6 +74,20 @@ def build_gemm(cfg: MoEGemmConfig, options: str):
                     + chooser, options)
 
 
+def build_gemm_pair(cfg: MoEGemmPairConfig, options: str):
+    rows = cute.sym_int()
+
+    def weights(c: MoEGemmConfig):
+        return fake_tensor(I32, c.planes, None, None, None, int(16 * c.bits) // 2)
+
+    g13, g2 = cfg.gate_up, cfg.down
+    args = [fake_tensor(I32, 2, rows, None), weights(g13), partials_tensor(g13, rows),
+            fake_tensor(I32, 1, rows, None), weights(g2), partials_tensor(g2, rows), fake_tensor(I32, None),
+            fake_tensor(I32, None), 0, 0, fake_tensor(F16, None, None), fake_tensor(F16, rows, None),
+            fake_tensor(I32, rows), fake_tensor(I32, None), 0]
+    return _compile(MoEGemmPair(cfg), args, options)
+
+
 def build_input_rotation(cfg: RouteInputRotationConfig, options: str):
     m = cute.sym_int()
     args = [fake_tensor(DTYPES[cfg.x_dtype], m, None), fake_tensor(F16, None, None), fake_tensor(F16, None, None),
@@ -101,7 +116,8 @@ def partials_tensor(cfg, rows=None):
 
 
 BUILDERS = {
-    MoERouteConfig: build_route, MoEGemmConfig: build_gemm, RouteInputRotationConfig: build_input_rotation,
+    MoERouteConfig: build_route, MoEGemmConfig: build_gemm, MoEGemmPairConfig: build_gemm_pair,
+    RouteInputRotationConfig: build_input_rotation,
     IntermediateConfig: build_intermediate, TopKSumConfig: build_topk_sum,
 }
 
@@ -125,6 +141,12 @@ def launch_gemm(fn, x_words, w_words, partials, block_expert, group_row, k_tiles
                 logits=None, bias=None):
     fn(x_words, w_words, partials, block_expert, group_row, k_tiles_per_split, rotations, x2, row_route, counters,
        inter_true, gate_suh, up_suh, ids, route_row, rank, svh, svh_row, weights, y, sum_counters, logits, bias)
+
+
+def launch_gemm_pair(fn, x_words, w13_words, p13, x2_words, w2_words, p2, block_expert, group_row, per13: int,
+                     per2: int, rotations, x2, row_route, counters, inter_true: int):
+    fn(x_words, w13_words, p13, x2_words, w2_words, p2, block_expert, group_row, per13, per2, rotations, x2,
+       row_route, counters, inter_true)
 
 
 def launch_input_rotation(fn, x, gate_suh, up_suh, xr, ids, rank, expert_row, group_row, row_route, route_row):

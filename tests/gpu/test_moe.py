@@ -403,7 +403,11 @@ def launched_gemms(plan, m: int, *given: bool) -> list:
     """The GEMM configs ``plan`` launches at ``m`` tokens (gate/up and down of each group in launch order) for the
     router's routes and / or given ones: as planned, after every later change to gemm_config's (resident rows,
     weights before the wait). Call it where the plan's settings are patched: configs are planned on first use."""
-    return [c for g in given for role, c in plan.configs(m, g).kernels() if role in ("gate/up", "down")]
+    made = []
+    for g in given:
+        for role, c in plan.configs(m, g).kernels():
+            made += [c.gate_up, c.down] if role == "gate/up + down" else [c] if role in ("gate/up", "down") else []
+    return made
 
 
 def layer_with(monkeypatch, dmoe, x, settings: dict):
@@ -502,6 +506,31 @@ def test_block_ready_counters_change_no_bit(synthetic, name, ms, monkeypatch):
             launches.append(len(plan.step(m, False).launches))
         assert torch.equal(outs[0], outs[1]), (name, m)
         assert launches[0] == launches[1] - len(dmoe.groups) * (not shape.fused_intermediate)
+
+
+@pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (8, 16, 64, 96, 256, 384)),
+                                     ("two-groups-k3-k5", (16, 40)), ("k3.5-mul1-shared-gated", (6, 32))])
+def test_gemm_pairs_change_no_bit(synthetic, name, ms, monkeypatch):
+    """Where the ready counters hand route blocks from gate/up to down, both GEMMs run as one grid
+    (moe_configs.PAIRED_GEMMS, kernels.moe_gemm_pair): each CTA does its plain grid's work, so y is bit-identical to
+    the two launches, eagerly (twice: every counter back at zero) and in graph replay, with one launch fewer a group
+    (4- and 8-warp CTAs, 8- to 64-row blocks, launch bounds or none, one expert group or two, the shared expert's)."""
+    from exl3tool.ops.workspace import counters
+
+    dmoe = DeviceMoE.from_layer(synthetic(name).moe(0, device="cuda"))
+    for m in ms:
+        x = (torch.randn(m, dmoe.hidden, device="cuda") * 0.1).half()
+        outs, launches = [], []
+        for paired in (True, False):
+            y, _, plan, configs = layer_with(monkeypatch, dmoe, x, {"PAIRED_GEMMS": paired})
+            torch.cuda.synchronize()
+            assert not any(arena.any() for arena in counters._arenas.values()), (name, m)
+            assert configs.shape.ready_counters
+            assert all((g.pair is not None) == paired for g in configs.groups), (name, m)
+            outs.append(y)
+            launches.append(len(configs.kernels()))
+        assert torch.equal(outs[0], outs[1]), (name, m)
+        assert launches[0] == launches[1] - len(dmoe.groups)
 
 
 @pytest.mark.parametrize("name,ms", [("qwen3-30b-shape-k4-mcg", (14, 64, 96)), ("two-groups-k3-k5", (16, 24)),

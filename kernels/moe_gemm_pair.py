@@ -1,0 +1,107 @@
+"""Both grouped decode GEMMs of an expert group in one grid: gate/up's CTAs first, then down's.
+
+Between two launches the down GEMM's CTAs wait for their route blocks' ready counters (``MoEGemmConfig.ready_signal``
+/ ``ready_wait``), yet its grid only half-fills the GPU while gate/up's last CTAs run: behind a running kernel a
+programmatically dependent one gets one occupancy of CTAs an SM and no more until that kernel's last CTA leaves (the
+per-CTA trace: at M=256 up to 109 SMs idle, H100, docs/perf.md s74). One grid has no such limit: the hardware
+dispatches its CTAs in index order, so every gate/up CTA is resident or done before the first down CTA starts, and a
+down CTA that waits for its block's count never holds a slot a gate/up CTA still needs (the same order CUTLASS's
+stream-K fixup relies on). Each CTA runs ``MoEGemm.body`` of its half with the plain grid's block indices: CTA
+``i < C13 * blocks`` is gate/up's (column tile ``i % C13``, route block ``i // C13``), the rest down's likewise, so
+every partial, X2 row and y bit is the two launches' own (K splits too: a half's CTAs in its grid's order).
+
+No CTA lets the next kernel (the top-k sum) launch early: its CTAs would take slots beside down's.
+
+Arguments (``MoEGemm``'s for each half): X int32 ``[2, R, H_p/2]``, w13, P13, X2 as int32 ``[1, R, I_p/2]``, w2,
+P2, block_expert, group_row, k-tiles per split of each, the fused intermediate's rotations, X2 (fp16), row_route,
+counters (arrival counters, then the blocks' ready counters) and the true intermediate size.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cuda.bindings import driver as cuda
+from cutlass import Int32
+
+from . import ptx
+from .moe_gemm import MoEGemm, MoEGemmConfig
+
+
+@dataclass(frozen=True)
+class MoEGemmPairConfig:
+    gate_up: MoEGemmConfig
+    down: MoEGemmConfig
+    # > 0: launch bounds asking ptxas for this many CTAs an SM (MoEGemmConfig.min_ctas_per_sm): one kernel holds
+    # the registers of the larger half, which alone may fit fewer CTAs than either half did
+    min_ctas_per_sm: int = 0
+
+    def __post_init__(self):
+        if not pairs(self.gate_up, self.down):
+            raise ValueError("a GEMM pair takes gate/up with ready_signal and down with ready_wait: mma.sync, the same "
+                             "warps, no prologue, fused top-k sum or K splits in x")
+
+    @property
+    def warps(self) -> int:
+        return self.gate_up.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Either half's shared memory (the halves' allocations share it: ``smem_merge_branch_allocs``)."""
+        return max(self.gate_up.smem_bytes, self.down.smem_bytes)
+
+
+def pairs(gate_up: MoEGemmConfig, down: MoEGemmConfig) -> bool:
+    """Can these two GEMMs run as one grid? gate/up hands route blocks to down by the ready counters (so down reads
+    nothing that waits for gate/up's whole grid), neither rotates its own input, and both have the same threads."""
+    return (gate_up.planes == 2 and down.planes == 1 and gate_up.ready_signal and down.ready_wait
+            and gate_up.mma == down.mma == "sync" and gate_up.warps == down.warps
+            and gate_up.input is None and down.topk_sum is None and gate_up.route is None
+            and not (gate_up.splits_in_x or down.splits_in_x or gate_up.next_after_loop))
+
+
+class MoEGemmPair:
+    def __init__(self, cfg: MoEGemmPairConfig):
+        self.cfg = cfg
+        self.gate_up = MoEGemm(cfg.gate_up)
+        self.down = MoEGemm(cfg.down)
+        self.threads = 32 * cfg.warps
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW13: cute.Tensor, mP13: cute.Tensor, mX2Words: cute.Tensor,
+                 mW2: cute.Tensor, mP2: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor,
+                 per13: Int32, per2: Int32, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
+                 mCounter: cute.Tensor, inter_true: Int32, stream: cuda.CUstream):
+        cols13 = 2 * mW13.shape[3] // self.cfg.warps
+        cols2 = mW2.shape[3] // self.cfg.warps
+        blocks = mBlockExpert.shape[0]
+        self.kernel(mX, mW13, mP13, mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per13, per2, mRot, mX2, mRowRoute,
+                    mCounter, inter_true).launch(
+            grid=((cols13 * mP13.shape[0] + cols2 * mP2.shape[0]) * blocks, 1, 1), block=(self.threads, 1, 1),
+            stream=stream,
+            smem_merge_branch_allocs=True, **ptx.pdl_launch(), **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW13: cute.Tensor, mP13: cute.Tensor, mX2Words: cute.Tensor,
+               mW2: cute.Tensor, mP2: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, per13: Int32,
+               per2: Int32, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor, mCounter: cute.Tensor,
+               inter_true: Int32):
+        i, _, _ = cute.arch.block_idx()
+        blocks = mBlockExpert.shape[0]
+        cols13 = 2 * mW13.shape[3] // self.cfg.warps
+        cols2 = mW2.shape[3] // self.cfg.warps
+        first_down = cols13 * blocks * mP13.shape[0]
+        # Each half's CTAs in its plain grid's order (columns, blocks, K splits; x fastest), and each half's unused
+        # inputs as MoEGemm.__call__ stands them in (never touched).
+        if i < first_down:
+            blk = i // cols13
+            self.gate_up.body(mX, mW13, mP13, mBlockExpert, mGroupRow, per13, mRot, mX2, mRowRoute, mCounter,
+                              inter_true, mP13, mP13, mBlockExpert, mBlockExpert, mBlockExpert, mP13, mBlockExpert,
+                              mP13, mP13, mP13, mP13, mP13, i % cols13, blk % blocks, blk // blocks,
+                              Int32(cols13 * mP13.shape[0]), False)
+        else:
+            j = i - first_down
+            blk = j // cols2
+            self.down.body(mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per2, mP2, mP2, mRowRoute, mCounter,
+                           Int32(0), mP2, mP2, mBlockExpert, mBlockExpert, mBlockExpert, mP2, mBlockExpert, mP2, mP2,
+                           mP2, mP2, mP2, j % cols2, blk % blocks, blk // blocks, Int32(cols2 * mP2.shape[0]), False)
