@@ -35,8 +35,13 @@ class MoEGemmPairConfig:
     # > 0: launch bounds asking ptxas for this many CTAs an SM (MoEGemmConfig.min_ctas_per_sm): one kernel holds
     # the registers of the larger half, which alone may fit fewer CTAs than either half did
     min_ctas_per_sm: int = 0
+    # the down GEMM's K splits (P2's first dim; gate/up's are its fused intermediate's): compile-time, so that one
+    # split costs no index arithmetic held across the main loop
+    down_splits: int = 1
 
     def __post_init__(self):
+        if self.down_splits < 1:
+            raise ValueError("down_splits is a K split count")
         if not pairs(self.gate_up, self.down):
             raise ValueError("a GEMM pair takes gate/up with ready_signal and down with ready_wait: mma.sync, the same "
                              "warps, no prologue, fused top-k sum or K splits in x")
@@ -77,7 +82,8 @@ class MoEGemmPair:
         blocks = mBlockExpert.shape[0]
         self.kernel(mX, mW13, mP13, mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per13, per2, mRot, mX2, mRowRoute,
                     mCounter, inter_true).launch(
-            grid=((cols13 * mP13.shape[0] + cols2 * mP2.shape[0]) * blocks, 1, 1), block=(self.threads, 1, 1),
+            grid=((cols13 * self.cfg.gate_up.intermediate_splits + cols2 * self.cfg.down_splits) * blocks, 1, 1),
+            block=(self.threads, 1, 1),
             stream=stream,
             smem_merge_branch_allocs=True, **ptx.pdl_launch(), **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
@@ -90,18 +96,25 @@ class MoEGemmPair:
         blocks = mBlockExpert.shape[0]
         cols13 = 2 * mW13.shape[3] // self.cfg.warps
         cols2 = mW2.shape[3] // self.cfg.warps
-        first_down = cols13 * blocks * mP13.shape[0]
+        splits13, splits2 = self.cfg.gate_up.intermediate_splits, self.cfg.down_splits
+        first_down = cols13 * blocks * splits13
         # Each half's CTAs in its plain grid's order (columns, blocks, K splits; x fastest), and each half's unused
         # inputs as MoEGemm.__call__ stands them in (never touched).
         if i < first_down:
-            blk = i // cols13
+            blk, split = split_of(i // cols13, blocks, splits13)
             self.gate_up.body(mX, mW13, mP13, mBlockExpert, mGroupRow, per13, mRot, mX2, mRowRoute, mCounter,
                               inter_true, mP13, mP13, mBlockExpert, mBlockExpert, mBlockExpert, mP13, mBlockExpert,
-                              mP13, mP13, mP13, mP13, mP13, i % cols13, blk % blocks, blk // blocks,
-                              Int32(cols13 * mP13.shape[0]), False)
+                              mP13, mP13, mP13, mP13, mP13, i % cols13, blk, split, Int32(cols13 * splits13), False)
         else:
             j = i - first_down
-            blk = j // cols2
+            blk, split = split_of(j // cols2, blocks, splits2)
             self.down.body(mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per2, mP2, mP2, mRowRoute, mCounter,
                            Int32(0), mP2, mP2, mBlockExpert, mBlockExpert, mBlockExpert, mP2, mBlockExpert, mP2, mP2,
-                           mP2, mP2, mP2, j % cols2, blk % blocks, blk // blocks, Int32(cols2 * mP2.shape[0]), False)
+                           mP2, mP2, mP2, j % cols2, blk, split, Int32(cols2 * splits2), False)
+
+
+def split_of(q, blocks, splits: int):
+    """(route block, K split) of a half's ``q``-th row of CTAs (blocks, then splits). Traced inline."""
+    if splits == 1:
+        return q, Int32(0)
+    return q % blocks, q // blocks

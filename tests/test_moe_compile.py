@@ -413,6 +413,8 @@ def test_gemm_pair_is_both_gemms_in_one_grid(rows, arch):
         host = str(moe_kernels.build_gemm_pair(pair, f"{COMPILE_OPTIONS} --gpu-arch={arch}").ir_module)
     assert f"llvm.mlir.constant({pair.smem_bytes} : i64)" in host
     assert f"llvm.mlir.constant({up.smem_bytes + down.smem_bytes} : i64)" not in host
+    split = ptx_of(MoEGemmPairConfig(up, down, down_splits=2), arch)  # a down K split's index arithmetic
+    assert split.count(MMA) == body.count(MMA) and "launch_dependents" not in split
     with pytest.raises(ValueError):  # down waits for the kernel before, not for its blocks' counters
         MoEGemmPairConfig(up, replace_ready(down, False))
     with pytest.raises(ValueError):  # different threads

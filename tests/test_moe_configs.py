@@ -115,7 +115,7 @@ def test_gemm_pairs_take_their_halves_and_launch_bounds(arch, monkeypatch):
     for tokens in (8, 16, 64, 96, 256, 384):
         step = step_configs(d, tokens, False, arch, typical_sms(arch), "float16", "float16")
         (g,) = step.groups
-        assert (g.pair.gate_up, g.pair.down) == (g.gate_up, g.down), tokens
+        assert (g.pair.gate_up, g.pair.down, g.pair.down_splits) == (g.gate_up, g.down, step.shape.splits2), tokens
         bound = moe_configs.PAIRED_MIN_CTAS_PER_SM.get((step.shape.block_rows, g.gate_up.warps), 0)
         assert g.pair.min_ctas_per_sm == bound and g.pair.smem_bytes == max(g.gate_up.smem_bytes, g.down.smem_bytes)
         assert [role for role, _ in step.kernels()] == ["route", "input rotation", "gate/up + down", "top-k sum"]

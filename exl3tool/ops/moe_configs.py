@@ -714,7 +714,7 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
                                                                              * s.splits2, sm_count)))
         pair = None
         if PAIRED_GEMMS and pairs(g13, g2):
-            pair = MoEGemmPairConfig(g13, g2, PAIRED_MIN_CTAS_PER_SM.get((s.block_rows, g13.warps), 0))
+            pair = MoEGemmPairConfig(g13, g2, PAIRED_MIN_CTAS_PER_SM.get((s.block_rows, g13.warps), 0), s.splits2)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2, pair))
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
