@@ -10,7 +10,8 @@ stream-K fixup relies on). Each CTA runs ``MoEGemm.body`` of its half with the p
 ``i < C13 * blocks`` is gate/up's (column tile ``i % C13``, route block ``i // C13``), the rest down's likewise, so
 every partial, X2 row and y bit is the two launches' own (K splits too: a half's CTAs in its grid's order).
 
-No CTA lets the next kernel (the top-k sum) launch early: its CTAs would take slots beside down's.
+The next kernel (the top-k sum) launches as this grid ends, or with ``early_next`` once every CTA of it has
+started (never before a down CTA has its slot).
 
 Arguments (``MoEGemm``'s for each half): X int32 ``[2, R, H_p/2]``, w13, P13, X2 as int32 ``[1, R, I_p/2]``, w2,
 P2, block_expert, group_row, k-tiles per split of each, the fused intermediate's rotations, X2 (fp16), row_route,
@@ -38,6 +39,10 @@ class MoEGemmPairConfig:
     # the down GEMM's K splits (P2's first dim; gate/up's are its fused intermediate's): compile-time, so that one
     # split costs no index arithmetic held across the main loop
     down_splits: int = 1
+    # PDL: every CTA lets the next kernel (the top-k sum) launch as it starts, so that its CTAs wait resident for
+    # this grid's end; they take SM slots only once the last CTA of this grid has started. False: it launches as
+    # this grid ends.
+    early_next: bool = False
 
     def __post_init__(self):
         if self.down_splits < 1:
@@ -92,6 +97,8 @@ class MoEGemmPair:
                mW2: cute.Tensor, mP2: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor, per13: Int32,
                per2: Int32, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor, mCounter: cute.Tensor,
                inter_true: Int32):
+        if cutlass.const_expr(self.cfg.early_next):
+            ptx.launch_dependents()
         i, _, _ = cute.arch.block_idx()
         blocks = mBlockExpert.shape[0]
         cols13 = 2 * mW13.shape[3] // self.cfg.warps

@@ -392,8 +392,8 @@ def test_block_ready_counters_replace_the_grid_wide_wait_between_gate_up_and_dow
 @pytest.mark.parametrize("rows,arch", [(8, "sm_90a"), (32, "sm_90a"), (8, "sm_120a")])
 def test_gemm_pair_is_both_gemms_in_one_grid(rows, arch):
     """``MoEGemmPair``: one kernel with gate/up's and down's code (their MMAs, counters and waits, each once), no
-    CTA letting the next launch go early (the top-k sum's CTAs would take slots beside down's), and the launch's
-    shared memory that of the larger half, not the two added (the halves' allocations merged)."""
+    CTA letting the next launch go early unless ``early_next`` (then each first), and the launch's shared memory
+    that of the larger half, not the two added (the halves' allocations merged)."""
     from exl3tool.kernels.moe_gemm_pair import MoEGemmPairConfig
     from exl3tool.kernels.ptx import compiling_for
     from exl3tool.ops.runtime import COMPILE_OPTIONS
@@ -415,6 +415,10 @@ def test_gemm_pair_is_both_gemms_in_one_grid(rows, arch):
     assert f"llvm.mlir.constant({up.smem_bytes + down.smem_bytes} : i64)" not in host
     split = ptx_of(MoEGemmPairConfig(up, down, down_splits=2), arch)  # a down K split's index arithmetic
     assert split.count(MMA) == body.count(MMA) and "launch_dependents" not in split
+    early = ptx_of(MoEGemmPairConfig(up, down, early_next=True), arch)  # every CTA triggers first
+    early = early[early.index(".entry"):]
+    assert early.count("griddepcontrol.launch_dependents") == 1
+    assert early.index("griddepcontrol.launch_dependents") < min(early.index(PDL_WAIT), early.index("ld.global"))
     with pytest.raises(ValueError):  # down waits for the kernel before, not for its blocks' counters
         MoEGemmPairConfig(up, replace_ready(down, False))
     with pytest.raises(ValueError):  # different threads

@@ -288,6 +288,7 @@ PAIRED_GEMMS = False
 # halves reach alone (sm_90a, E=128 top-8 2048x768 K=4 mcg), where the pair's registers would fit fewer; 0: none (32
 # rows: gate/up alone fits 3 at 80 registers, the pair 4 only with 21 spills; 64 rows: 2 either way).
 PAIRED_MIN_CTAS_PER_SM = {(8, 4): 8, (8, 8): 4, (16, 8): 5}
+PAIRED_EARLY_NEXT = False  # MoEGemmPairConfig.early_next
 # Up to this many tokens the gate/up GEMM rotates x into shared memory itself, with each CTA's expert's suh, while
 # its first weights load, instead of a RouteInputRotation launch (as the dense GEMM at M = 1); from 2 tokens it
 # takes each route block's rows (MoEGemmConfig.resident_rows, a row a token: the router's routes of a token go to
@@ -714,7 +715,8 @@ def step_configs(d: LayerShape, tokens: int, given: bool, arch: str, sm_count: i
                                                                              * s.splits2, sm_count)))
         pair = None
         if PAIRED_GEMMS and pairs(g13, g2):
-            pair = MoEGemmPairConfig(g13, g2, PAIRED_MIN_CTAS_PER_SM.get((s.block_rows, g13.warps), 0), s.splits2)
+            pair = MoEGemmPairConfig(g13, g2, PAIRED_MIN_CTAS_PER_SM.get((s.block_rows, g13.warps), 0), s.splits2,
+                                     PAIRED_EARLY_NEXT)
         groups.append(GroupConfigs(rotation, g13, intermediate, g2, order13, order2, per13, per2, pair))
     if tokens == 1 and SLOT_BLOCKS and all(g.gate_up.input is not None and g.intermediate is None
                                            and g.down.topk_sum is not None for g in groups):
