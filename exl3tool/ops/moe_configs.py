@@ -279,10 +279,14 @@ READY_COUNTERS_MIN_TOKENS = 4
 # -> 129.56 (130.37 -> 129.37), M=64 157.95 -> 156.56 (158.08 -> 156.65), M=16 104.81 -> 104.48; M=8, 128, 256 within
 # 0.5 either way (s65).
 COUNT_OUT_BEHIND_X = True
-# Where the ready counters hand route blocks from gate/up to down, both GEMMs run as one grid, gate/up's CTAs first
-# (kernels.moe_gemm_pair): behind a running kernel a dependent launch gets one occupancy of CTAs an SM until that
+# Where the ready counters hand route blocks from gate/up to down, both GEMMs may run as one grid, gate/up's CTAs
+# first (kernels.moe_gemm_pair): behind a running kernel a dependent launch gets one occupancy of CTAs an SM until that
 # kernel's last CTA leaves (s74's trace: up to 109 SMs idle at M=256), and its CTAs wait for gate/up's unused ones to
-# pass first (M=16: down's first CTA entered at 60.8 us, its blocks ready from 36).
+# pass first (M=16: down's first CTA entered at 60.8 us, its blocks ready from 36). Off: the throttle went, but the
+# pair's CTAs refilled a freed slot 2.1-2.4 us after it emptied (0.6 for the plain kernel). H100, E=128 top-8
+# 2048x768 K=4 mcg, layer graph, three rounds, y bit-identical, us, two launches -> one grid: M=8 75.26 -> 72.27,
+# M=16 105.44 -> 110.17, M=64 155.59 -> 164.22, M=96 179.21 -> 180.16, M=128 187.13 -> 186.83, M=256 226.05 -> 225.03,
+# M=384 281.94 -> 281.20 (docs/perf.md, s77).
 PAIRED_GEMMS = False
 # The pair's launch bounds (MoEGemmPairConfig.min_ctas_per_sm) by (route block rows, warps): the CTAs an SM both
 # halves reach alone (sm_90a, E=128 top-8 2048x768 K=4 mcg), where the pair's registers would fit fewer; 0: none (32
