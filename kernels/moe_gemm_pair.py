@@ -88,9 +88,8 @@ class MoEGemmPair:
         self.kernel(mX, mW13, mP13, mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per13, per2, mRot, mX2, mRowRoute,
                     mCounter, inter_true).launch(
             grid=((cols13 * self.cfg.gate_up.intermediate_splits + cols2 * self.cfg.down_splits) * blocks, 1, 1),
-            block=(self.threads, 1, 1),
-            stream=stream,
-            smem_merge_branch_allocs=True, **ptx.pdl_launch(), **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
+            block=(self.threads, 1, 1), stream=stream, smem_merge_branch_allocs=True, **ptx.pdl_launch(),
+            **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW13: cute.Tensor, mP13: cute.Tensor, mX2Words: cute.Tensor,
