@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from exl3tool.bench.trace import live_ctas, load, main, most_at_once, report, save, slot_budget, spread, waves
+from exl3tool.bench.trace import (
+    live_ctas, load, main, most_at_once, report, save, slot_budget, slot_refills, spread, waves,
+)
 from exl3tool.kernels import ptx
 
 T0 = 5_000_000  # ns: the route's first entry
@@ -83,6 +85,22 @@ def test_slot_budget_adds_up_to_the_span():
                     "down entries 0.4, loops 0.6, tails 0.6; idle 9.9")
     assert 4.0 + 4.8 + 1.2 + 0.4 + 0.6 + 0.6 + 9.9 == pytest.approx(21.5)
     assert slot_budget(np.zeros_like(made_up()), T0) == []  # no GEMM CTA traced
+
+
+def test_slot_refills_match_each_end_to_the_next_entry_on_its_sm():
+    """SM 0: gate/up CTAs 0 and 1 end at 11.5 and 12.5 us (made_up), down CTAs enter at 13.0 and 16.0: gaps 1.5 and
+    3.5, each entry taken once (the entry at 16.0 refills the second end, not the first down CTA's end at 15.0); an
+    unused CTA (no SM) refills nothing; an end that no entry follows (SMs 1, 2, 5, 7) counts nothing."""
+    stamps = made_up()
+    for i, (sm, entry) in enumerate([(0, 13.0), (0, 16.0), (7, 1.0)], start=1):
+        stamps[ptx.TRACE_DOWN, i, [ptx.TRACE_ENTRY, ptx.TRACE_END]] = [T0 + int(entry * 1e3), T0 + int(entry * 1e3)
+                                                                       + 2000]
+        stamps[ptx.TRACE_DOWN, i, -1] = sm << 8 | ptx.TRACE_LIVE
+    stamps[ptx.TRACE_GATE_UP, 5, ptx.TRACE_ENTRY] = T0 + 12_600  # unused: no flags
+    assert sorted(slot_refills(stamps, T0)) == [1.5, 3.5]
+    line = [x for x in report(stamps) if x.startswith("GEMM slot refills")]
+    assert line == ["GEMM slot refills: 2 (a GEMM CTA's end to the next entry on its SM), us: 1.50 1.50 2.50 3.50 3.50"]
+    assert slot_refills(made_up(), T0) == [] and not any("refills" in x for x in report(made_up()))
 
 
 def test_most_at_once_counts_overlapping_stays_per_sm():
