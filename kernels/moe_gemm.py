@@ -320,33 +320,14 @@ class MoEGemm(DecodeGemmKernel):
         route block and 128 columns) and the blocks' ready counters after them, else None; mSumCounter: the fused
         top-k sum's (one per 128 columns), else None. mLogits ``[1, E_r]`` fp32, mBias (the router's bias, or any
         fp32 tensor): with ``route``, else None; mWeights and mRank also where the GEMM writes the routes."""
-        if cutlass.const_expr(mRowRoute is None):
-            mRowRoute = mBlockExpert  # never touched
-        if cutlass.const_expr(mCounter is None):
-            mCounter = mP  # never touched: no fused tail
-        if cutlass.const_expr(mRot is None):
-            mRot, mX2 = mP, mP  # never touched: no fused intermediate
-        if cutlass.const_expr(mGateSuh is None):
-            mGateSuh, mUpSuh = mP, mP  # never touched: no prologue
-        if cutlass.const_expr(mIds is None):
-            mIds, mRouteRow = mBlockExpert, mBlockExpert  # never touched
-        if cutlass.const_expr(mRank is None):
-            mRank = mBlockExpert  # never touched: no resident rows
-        if cutlass.const_expr(mSvh is None):
-            mSvh, mSvhRow, mY = mP, mBlockExpert, mP  # never touched: no fused top-k sum
-        if cutlass.const_expr(mWeights is None):
-            mWeights = mP  # never touched: neither the fused top-k sum nor the routes' writer
-        if cutlass.const_expr(mLogits is None):
-            mLogits, mBias = mP, mP  # never touched: the block's expert from block_expert
-        if cutlass.const_expr(mSumCounter is None):
-            mSumCounter = mP  # never touched: no fused top-k sum
-        columns = self.cfg.planes * mW.shape[3] // self.cfg.warps
+        args = gemm_arguments(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
+                              inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
+                              mSumCounter, mLogits, mBias)
+        columns = column_tiles(self.cfg, mW)
         grid = (columns, mBlockExpert.shape[0], mP.shape[0])
         if cutlass.const_expr(self.cfg.splits_in_x):
             grid = (columns * mP.shape[0], mBlockExpert.shape[0], 1)
-        self.kernel(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter,
-                    inter_true, mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY,
-                    mSumCounter, mLogits, mBias).launch(
+        self.kernel(*args).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, **ptx.pdl_launch(),
             **ptx.occupancy_bounds(self.cfg.min_ctas_per_sm))
 
@@ -594,6 +575,42 @@ class MoEGemm(DecodeGemmKernel):
             ptx.wait_for_prior_kernels()  # every CTA waits: this kernel ends only after the one before it
         if cutlass.const_expr(cfg.ready_wait):
             ptx.wait_for_prior_kernels()  # likewise, at the end: the kernels after this one wait for gate/up too
+
+
+def column_tiles(cfg: MoEGemmConfig, mW) -> Int32:
+    """CTAs a route block and K split: each takes ``warps`` of the planes' 16-column tiles. Traced inline."""
+    return cfg.planes * mW.shape[3] // cfg.warps
+
+
+def gemm_arguments(mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot=None, mX2=None, mRowRoute=None,
+                   mCounter=None, inter_true=None, mGateSuh=None, mUpSuh=None, mIds=None, mRouteRow=None, mRank=None,
+                   mSvh=None, mSvhRow=None, mWeights=None, mY=None, mSumCounter=None, mLogits=None, mBias=None):
+    """``MoEGemm.kernel``'s arguments (and ``body``'s before the block indices), a tensor the config does not use
+    (None, ``MoEGemm.__call__``'s meanings) stood in for by one it has: never touched. Traced inline."""
+    if mRowRoute is None:
+        mRowRoute = mBlockExpert
+    if mCounter is None:
+        mCounter = mP  # no fused tail
+    if mRot is None:
+        mRot, mX2 = mP, mP  # no fused intermediate
+    if inter_true is None:
+        inter_true = Int32(0)
+    if mGateSuh is None:
+        mGateSuh, mUpSuh = mP, mP  # no prologue
+    if mIds is None:
+        mIds, mRouteRow = mBlockExpert, mBlockExpert
+    if mRank is None:
+        mRank = mBlockExpert  # no resident rows
+    if mSvh is None:
+        mSvh, mSvhRow, mY = mP, mBlockExpert, mP  # no fused top-k sum
+    if mWeights is None:
+        mWeights = mP  # neither the fused top-k sum nor the routes' writer
+    if mLogits is None:
+        mLogits, mBias = mP, mP  # the block's expert from block_expert
+    if mSumCounter is None:
+        mSumCounter = mP  # no fused top-k sum
+    return (mX, mW, mP, mBlockExpert, mGroupRow, k_tiles_per_split, mRot, mX2, mRowRoute, mCounter, inter_true,
+            mGateSuh, mUpSuh, mIds, mRouteRow, mRank, mSvh, mSvhRow, mWeights, mY, mSumCounter, mLogits, mBias)
 
 
 def choose_block_expert(cfg: MoEGemmConfig, mLogits, mBias, mIds, mWeights, mRank, mBlockExpert, sChosen, blk,

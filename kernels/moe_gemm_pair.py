@@ -26,7 +26,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Int32
 
 from . import ptx
-from .moe_gemm import MoEGemm, MoEGemmConfig
+from .moe_gemm import MoEGemm, MoEGemmConfig, column_tiles, gemm_arguments
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,7 @@ class MoEGemmPair:
                  mW2: cute.Tensor, mP2: cute.Tensor, mBlockExpert: cute.Tensor, mGroupRow: cute.Tensor,
                  per13: Int32, per2: Int32, mRot: cute.Tensor, mX2: cute.Tensor, mRowRoute: cute.Tensor,
                  mCounter: cute.Tensor, inter_true: Int32, stream: cuda.CUstream):
-        cols13 = 2 * mW13.shape[3] // self.cfg.warps
-        cols2 = mW2.shape[3] // self.cfg.warps
+        cols13, cols2 = column_tiles(self.cfg.gate_up, mW13), column_tiles(self.cfg.down, mW2)
         blocks = mBlockExpert.shape[0]
         self.kernel(mX, mW13, mP13, mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per13, per2, mRot, mX2, mRowRoute,
                     mCounter, inter_true).launch(
@@ -100,23 +99,21 @@ class MoEGemmPair:
             ptx.launch_dependents()
         i, _, _ = cute.arch.block_idx()
         blocks = mBlockExpert.shape[0]
-        cols13 = 2 * mW13.shape[3] // self.cfg.warps
-        cols2 = mW2.shape[3] // self.cfg.warps
+        cols13, cols2 = column_tiles(self.cfg.gate_up, mW13), column_tiles(self.cfg.down, mW2)
         splits13, splits2 = self.cfg.gate_up.intermediate_splits, self.cfg.down_splits
         first_down = cols13 * blocks * splits13
-        # Each half's CTAs in its plain grid's order (columns, blocks, K splits; x fastest), and each half's unused
-        # inputs as MoEGemm.__call__ stands them in (never touched).
+        # each half's CTAs in its plain grid's order (columns, blocks, K splits; x fastest)
         if i < first_down:
             blk, split = split_of(i // cols13, blocks, splits13)
-            self.gate_up.body(mX, mW13, mP13, mBlockExpert, mGroupRow, per13, mRot, mX2, mRowRoute, mCounter,
-                              inter_true, mP13, mP13, mBlockExpert, mBlockExpert, mBlockExpert, mP13, mBlockExpert,
-                              mP13, mP13, mP13, mP13, mP13, i % cols13, blk, split, Int32(cols13 * splits13), False)
+            self.gate_up.body(*gemm_arguments(mX, mW13, mP13, mBlockExpert, mGroupRow, per13, mRot, mX2, mRowRoute,
+                                              mCounter, inter_true),
+                              i % cols13, blk, split, Int32(cols13 * splits13), False)
         else:
             j = i - first_down
             blk, split = split_of(j // cols2, blocks, splits2)
-            self.down.body(mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per2, mP2, mP2, mRowRoute, mCounter,
-                           Int32(0), mP2, mP2, mBlockExpert, mBlockExpert, mBlockExpert, mP2, mBlockExpert, mP2, mP2,
-                           mP2, mP2, mP2, j % cols2, blk, split, Int32(cols2 * splits2), False)
+            self.down.body(*gemm_arguments(mX2Words, mW2, mP2, mBlockExpert, mGroupRow, per2, mRowRoute=mRowRoute,
+                                           mCounter=mCounter),
+                           j % cols2, blk, split, Int32(cols2 * splits2), False)
 
 
 def split_of(q, blocks, splits: int):

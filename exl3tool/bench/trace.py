@@ -13,8 +13,8 @@ report takes the last of MOE_COPIES L2-cold calls of one graph replay of the syn
 did work (min, p10, median, p90, max), the same for the CTAs that arrived last (they run the fused tails), each
 phase's length a CTA (the last CTAs' arrival and tail apart too), the CTAs an SM (in all and at once), the CTAs
 without a route block, how long freed GEMM slots waited for their next CTA (``slot_refills``), where the GEMMs' CTA
-slots went (``slot_budget``) and each GEMM's main loops by when they
-started (``waves``). One expert group's GEMMs (the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
+slots went (``slot_budget``) and each GEMM's main loops by when they started (``waves``). One expert group's GEMMs
+(the regions are by kernel). The timer ticks in 32 ns on an H100 / H200.
 ``--save DIR`` also writes each M's raw stamps (``trace-m{M}.npz``: ``stamps``, ``us``, ``tokens``, ``device``), so
 that a later question about the same call (a CTA's own timeline, a histogram) needs no device time: ``--load``
 prints their report again, and ``load()`` gives the arrays.
